@@ -1,0 +1,32 @@
+// Op schemas of the lora_kernels namespace and their CUDA implementations. The module has an
+// empty PyInit__C so `import lora_kernels._C` loads the library and runs the registrations.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops/ops.h"
+
+TORCH_LIBRARY(lora_kernels, m) {
+  // v[perm(i), s*R + j] = sum_k x[perm(i), k] * lora_a[slot(i), s*R + j, k] for j < rank(slot), else 0.
+  m.def(
+      "sgmv_shrink(Tensor x, Tensor lora_a, Tensor seg_indptr, Tensor weight_indices, Tensor lora_ranks, "
+      "Tensor? permutation, int num_slices, int max_seg_len, Tensor(a!) v) -> ()");
+  // out[perm(i), off[s] + n] += scaling(slot) * sum_{j<rank} v[perm(i), s*R + j] * lora_b[slot, off[s] + n, j].
+  m.def(
+      "sgmv_expand(Tensor v, Tensor lora_b, Tensor seg_indptr, Tensor weight_indices, Tensor lora_ranks, "
+      "Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_seg_len, Tensor(a!) out) -> ()");
+  // dsts[i].copy_(srcs[i]) for pinned host srcs, all on the current stream, in one call.
+  m.def("batched_h2d_copy(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
+  m.impl("sgmv_shrink", &lora_kernels::sgmv_shrink);
+  m.impl("sgmv_expand", &lora_kernels::sgmv_expand);
+  m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
+}
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}

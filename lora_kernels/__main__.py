@@ -1,0 +1,5 @@
+import sys
+
+from lora_kernels.cli import main
+
+sys.exit(main())

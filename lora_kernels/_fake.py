@@ -1,0 +1,33 @@
+"""Fake (meta) kernels of the compiled ops, so torch.compile and torch.library.opcheck can trace them,
+and CPU kernels (the reference) so the same schemas run, and are op-checked, on a CPU-only machine."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_kernels import reference
+
+
+def register() -> None:
+    @torch.library.register_fake("lora_kernels::sgmv_shrink")
+    def _shrink_fake(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, max_seg_len, v):
+        return None
+
+    @torch.library.register_fake("lora_kernels::sgmv_expand")
+    def _expand_fake(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
+                     max_seg_len, out):
+        return None
+
+    @torch.library.register_fake("lora_kernels::batched_h2d_copy")
+    def _copy_fake(srcs, dsts):
+        return None
+
+    @torch.library.impl("lora_kernels::sgmv_shrink", "CPU")
+    def _shrink_cpu(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, max_seg_len, v):
+        reference.sgmv_shrink(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, v)
+
+    @torch.library.impl("lora_kernels::sgmv_expand", "CPU")
+    def _expand_cpu(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
+                    max_seg_len, out):
+        reference.sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation,
+                              slice_offsets, out)

@@ -1,0 +1,155 @@
+"""Random SGMV problems and an independent float64 per-row ground truth, shared by the kernel tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lora_kernels import LoRABatchInfo
+
+POPULARITY = ("distinct", "uniform", "zipf:1.5", "identical", "skewed")
+# Relative-error bound ‖out − ref‖ / ‖ref‖ per dtype (tf32 is off in the tests).
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def popularity_slots(dist: str, n: int, num_slots: int, rng: np.random.Generator) -> list[int]:
+    """Slots for n requests under an adapter-popularity distribution (DESIGN.md §7)."""
+    if dist == "distinct":
+        return list(rng.permutation(max(n, num_slots))[:n] % num_slots)
+    if dist == "uniform":
+        return list(rng.integers(0, num_slots, n))
+    if dist.startswith("zipf:"):
+        a = float(dist.split(":")[1])
+        p = 1.0 / np.arange(1, num_slots + 1) ** a
+        return list(rng.choice(num_slots, n, p=p / p.sum()))
+    if dist == "identical":
+        return [int(rng.integers(num_slots))] * n
+    if dist == "skewed":  # one hot adapter takes ~90% of the requests
+        hot = int(rng.integers(num_slots))
+        return [hot if rng.random() < 0.9 else int(rng.integers(num_slots)) for _ in range(n)]
+    raise ValueError(f"unknown popularity {dist!r}")
+
+
+@dataclass
+class Case:
+    x: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    base: torch.Tensor
+    info: LoRABatchInfo
+    slice_offsets: tuple[int, ...]
+    seg_lens: list[int]
+    slots: list[int]
+    perm: list[int]  # physical row of each segmented row
+    ranks: list[int]
+    scalings: list[float]
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_offsets) - 1
+
+    @property
+    def max_rank(self) -> int:
+        return self.lora_b.shape[2]
+
+
+def make_info(seg_lens, slots, perm, lora_ranks, scalings, device, cap_segments=None, max_seg_len=None):
+    """A LoRABatchInfo built directly (not by the builder), optionally padded to a capacity."""
+    cap = cap_segments or max(len(seg_lens), 1)
+    lens = np.zeros(cap, np.int32)
+    lens[: len(seg_lens)] = seg_lens
+    wi = np.full(cap, -1, np.int32)
+    wi[: len(slots)] = slots
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+    def dev(a):
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+
+    return LoRABatchInfo(
+        seg_lens=dev(lens), seg_indptr=dev(indptr), weight_indices=dev(wi),
+        permutation=None if perm is None else dev(perm),
+        num_segments=len(seg_lens), max_seg_len=max_seg_len or max(seg_lens, default=0),
+        num_tokens=int(sum(seg_lens)), lora_ranks=lora_ranks, scalings=scalings)
+
+
+def make_case(rng: np.random.Generator, *, num_slots=6, max_rank=16, ranks=None, slice_widths=(48,), in_dim=64,
+              seg_lens=(3, 1, 5), slots=None, dtype=torch.float32, device="cpu", permute=False, extra_rows=0,
+              no_lora_frac=0.2) -> Case:
+    """A fresh random problem; seg_lens/slots per segment, some segments -1 (no LoRA)."""
+    seg_lens = list(seg_lens)
+    n_seg = len(seg_lens)
+    if ranks is None:
+        ranks = [int(r) for r in rng.integers(1, max_rank + 1, num_slots)]
+    if slots is None:
+        slots = [int(s) for s in rng.integers(0, num_slots, n_seg)]
+        slots = [-1 if rng.random() < no_lora_frac else s for s in slots]
+    num_slices = len(slice_widths)
+    offsets = tuple(int(v) for v in np.concatenate([[0], np.cumsum(slice_widths)]))
+    tokens = sum(seg_lens)
+    rows = tokens + extra_rows
+    perm = [int(p) for p in rng.permutation(rows)[:tokens]] if permute else list(range(tokens))
+    g = torch.Generator().manual_seed(int(rng.integers(2**31)))
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+    x = randn(rows, in_dim)
+    lora_a = randn(num_slots, num_slices * max_rank, in_dim, scale=in_dim ** -0.5)
+    lora_b = randn(num_slots, offsets[-1], max_rank, scale=max_rank ** -0.5)
+    base = randn(rows, offsets[-1])
+    scalings = [float(s) for s in rng.uniform(0.25, 2.0, num_slots)]
+    lora_ranks = torch.tensor(ranks, dtype=torch.int32, device=device)
+    scal = torch.tensor(scalings, dtype=torch.float32, device=device)
+    info = make_info(seg_lens, slots, perm if permute else None, lora_ranks, scal, device)
+    return Case(x, lora_a, lora_b, base, info, offsets, seg_lens, [int(s) for s in slots], perm, ranks, scalings)
+
+
+def _segment_rows(case: Case):
+    start = 0
+    for length, slot in zip(case.seg_lens, case.slots):
+        for i in range(start, start + length):
+            yield case.perm[i], slot
+        start += length
+
+
+def rowloop_shrink(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 v [rows, S*R] (NaN outside segments) and the mask of covered rows."""
+    x = case.x.double().cpu()
+    a = case.lora_a.double().cpu()
+    R, S = case.max_rank, case.num_slices
+    v = torch.full((x.shape[0], S * R), float("nan"), dtype=torch.float64)
+    covered = torch.zeros(x.shape[0], dtype=torch.bool)
+    for t, slot in _segment_rows(case):
+        covered[t] = True
+        v[t] = 0
+        if slot < 0:
+            continue
+        for i in range(S):
+            for j in range(case.ranks[slot]):
+                v[t, i * R + j] = torch.dot(x[t], a[slot, i * R + j])
+    return v, covered
+
+
+def rowloop_expand(case: Case, v: torch.Tensor, out0: torch.Tensor) -> torch.Tensor:
+    """float64 out0 + per-row expand of v (v given, e.g. the fp32 one the kernel consumes)."""
+    v = v.double().cpu()
+    b = case.lora_b.double().cpu()
+    out = out0.double().cpu().clone()
+    R, offs = case.max_rank, case.slice_offsets
+    for t, slot in _segment_rows(case):
+        if slot < 0:
+            continue
+        r = case.ranks[slot]
+        for i in range(case.num_slices):
+            lo, hi = offs[i], offs[i + 1]
+            out[t, lo:hi] += case.scalings[slot] * (b[slot, lo:hi, :r] @ v[t, i * R : i * R + r])
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double().cpu()
+    ref = ref.double().cpu()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten poisoned entries?)"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))

@@ -1,0 +1,45 @@
+"""The compiled extension is built and loaded wherever nvcc is, and its op schemas pass opcheck."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import lora_kernels as lk
+from cases import make_case
+
+NVCC = shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")
+BUILD_OFF = os.environ.get("LORA_KERNELS_BUILD_CUDA") == "0"
+
+
+@pytest.mark.skipif(not NVCC or BUILD_OFF or torch.version.cuda is None,
+                    reason="no nvcc / CUDA torch: the extension is not expected")
+def test_extension_built_and_ops_registered():
+    from lora_kernels import _backends, _build_meta
+
+    assert lk.HAS_CUDA_EXT, f"extension failed to load: {_backends.CUDA_EXT_ERROR}"
+    assert _build_meta.CUDA_EXTENSION_BUILT
+    for name in ("sgmv_shrink", "sgmv_expand", "batched_h2d_copy"):
+        assert hasattr(torch.ops.lora_kernels, name), name
+
+
+def _opcheck_case(device):
+    case = make_case(np.random.default_rng(3), dtype=torch.float32, device=device, slice_widths=(16, 8), permute=True,
+                     extra_rows=1)
+    info = case.info
+    v = torch.zeros(case.x.shape[0], case.lora_a.shape[1], device=device)
+    return case, info, v
+
+
+@pytest.mark.skipif(not lk.HAS_CUDA_EXT, reason="extension not built")
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_opcheck(device):
+    case, info, v = _opcheck_case(device)
+    torch.library.opcheck(torch.ops.lora_kernels.sgmv_shrink.default,
+                          (case.x, case.lora_a, info.seg_indptr, info.weight_indices, info.lora_ranks,
+                           info.permutation, 2, info.max_seg_len, v))
+    torch.library.opcheck(torch.ops.lora_kernels.sgmv_expand.default,
+                          (v + 1, case.lora_b, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                           info.permutation, list(case.slice_offsets), info.max_seg_len, case.base.clone()))
