@@ -1,0 +1,112 @@
+"""Shared benchmark helpers: one timer, the machine's measured ceilings, and JSON-lines output.
+
+Every benchmark script reports its figures beside a physical floor measured in the same run
+(`copy_bandwidth`, `h2d_bandwidth`), and appends JSON lines keyed by device, versions and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", type=Path, default=None, help="append one JSON line per result here")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    return p
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def meta() -> dict:
+    """Device, versions, commit and date, stored with every result."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    import triton
+
+    return {"device": device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "commit": commit or "unknown",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+
+
+def write_jsonl(path: Path | None, rows: list[dict]) -> None:
+    if path is None:
+        return
+    m = meta()
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps({**m, **row}) + "\n")
+
+
+def time_cuda_us(fn: Callable[[], object], warmup: int = 10, reps: int = 100) -> float:
+    """Median µs of fn() over `reps` runs, each between CUDA events, after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+def time_graph_us(fn: Callable[[], object], inner: int = 20, warmup: int = 3, reps: int = 50) -> float:
+    """Median µs per call of fn() replayed from a CUDA graph holding `inner` calls (launch gaps shrink
+    to what a serving engine sees under graph replay). fn must be graph-capturable."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return time_cuda_us(graph.replay, warmup=warmup, reps=reps) / inner
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_cuda_us(lambda: dst.copy_(src), warmup=3, reps=20)
+    return nbytes / us / 1e3
+
+
+def h2d_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
+    """Measured pinned host-to-device copy bandwidth in GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    us = time_cuda_us(lambda: dst.copy_(src, non_blocking=True), warmup=3, reps=10)
+    return nbytes / us / 1e3
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Prints rows as an aligned text table (floats with 3 significant digits)."""
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
