@@ -1,7 +1,33 @@
-"""Batch metadata for the SGMV ops (DESIGN.md §4).
+"""Batch metadata for the SGMV ops (DESIGN.md §4): host lists in, device tensors out, no sync.
 
 `BatchInfoBuilder.build` turns the scheduler's per-request (token count, slot) lists into a
-`LoRABatchInfo` on the device of the pool's `lora_ranks`.
+`LoRABatchInfo` on the device of the pool's `lora_ranks`. It never reads anything back from the GPU:
+
+* The whole batch is written, with a few numpy ops, into one packed int32 record in a pinned staging
+  buffer, and moved by one `non_blocking` host-to-device copy; every field is a view of the copy.
+* Staging buffers form a ring. A buffer is rewritten only after the CUDA event recorded behind its
+  previous copy has completed (`Event.query`, never blocking); if the GPU is so far behind that it has
+  not, the build waits on that event and counts a stall (`builder.stalls`).
+* Validation (slot range, non-negative counts, capacities) runs on the host arrays.
+
+Record layout, `c` = segment capacity, `T` = permutation length:
+
+    [ weight_indices c | seg_lens c | seg_indptr c+1 | permutation T (only when sorting) ]
+
+Eager mode (`cuda_graph=False`) sizes the record to the batch (c = segments, at least 1) and copies it
+into a fresh device tensor, so infos stay valid independently of later builds. Graph mode copies into
+one static device buffer (addresses never change, c = max_segments, T = max_tokens); tail segments are
+empty with slot -1 and permutation rows beyond the batch map to themselves. A pure-decode batch (every
+count 1, no sort) uses `seg_lens`/`seg_indptr` precomputed at construction and copies only
+`weight_indices`.
+
+Graph mode hands out two families of static tensors, so a captured graph must be replayed with infos
+of the family it was captured with: pure decode (`max_seg_len == 1`, the precomputed segments), or any
+other batch (`max_seg_len == max_tokens`); and with the same `sort_by_adapter` (`permutation` None or
+the static buffer). `BatchInfoBuilder.graph_family(info)` names the family.
+
+With a CPU `lora_ranks` the builder works on the CPU (no pinning, no events, synchronous copies): the
+torch backend and the CPU tests use it.
 """
 
 from __future__ import annotations
@@ -12,6 +38,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+# The ufunc reductions directly: ndarray.min/max add a Python-level wrapper per call.
+_min, _max = np.minimum.reduce, np.maximum.reduce
+
 
 @dataclass
 class LoRABatchInfo:
@@ -21,9 +50,11 @@ class LoRABatchInfo:
     seg_indptr[s]      exclusive prefix sum of seg_lens (int32[cap_segments + 1])
     weight_indices[s]  slot of segment s, -1 = no LoRA (int32[cap_segments])
     permutation[i]     physical row of segmented row i, or None (int32[cap_tokens])
-    num_segments       segments in use; tail segments are empty with slot -1
+    num_segments       segments holding this batch's requests; segments beyond are padding with slot -1
     max_seg_len        upper bound on seg_lens, sizes the kernels' grids
-    num_tokens         rows of x in the batch
+    num_tokens         rows the segments cover (= seg_indptr[-1]): every row a kernel touches is below it.
+                       The batch's token count, except graph-mode pure decode, whose precomputed
+                       segments also cover the padding rows up to min(max_segments, max_tokens)
     lora_ranks         rank per slot (the pool's tensor), scalings: scaling per slot (the pool's)
     """
 
@@ -42,76 +73,265 @@ class LoRABatchInfo:
         return self.lora_ranks.shape[0]
 
 
+class _Staging:
+    """One ring entry: a (pinned, on CUDA) int32 record, its numpy view, and the event behind its last copy."""
+
+    __slots__ = ("tensor", "array", "event", "perm_dirty", "prefix")
+
+    def __init__(self, length: int, pin: bool, event):
+        self.tensor = torch.empty(length, dtype=torch.int32, pin_memory=pin)
+        self.array = self.tensor.numpy()
+        self.event = event
+        self.prefix = {length: self.tensor}  # record[:length] views of the lengths graph mode copies
+        self.perm_dirty = 0  # graph mode: permutation entries [0, perm_dirty) may differ from the identity
+
+
 class BatchInfoBuilder:
-    """Builds `LoRABatchInfo` for batches of at most `max_tokens` rows and `max_segments` requests."""
+    """Builds `LoRABatchInfo` for batches of at most `max_tokens` rows and `max_segments` requests.
+
+    Counters: `builds` (successful builds), `stalls` (builds that had to wait for a staging buffer's
+    previous copy to finish; non-zero only when the host runs more than `ring_size` builds ahead of the GPU).
+    """
+
+    ring_size = 16  # staging buffers; class attribute so tests can force reuse with a small ring
 
     def __init__(self, max_tokens: int, max_segments: int, lora_ranks: torch.Tensor, scalings: torch.Tensor,
                  cuda_graph: bool = False):
         if max_tokens < 1 or max_segments < 1:
             raise ValueError(f"max_tokens and max_segments must be >= 1, got {max_tokens}, {max_segments}")
+        if max_tokens >= 2**31 or max_segments >= 2**30:
+            raise ValueError(f"max_tokens={max_tokens} / max_segments={max_segments} exceed the int32 metadata")
         if lora_ranks.dim() != 1 or lora_ranks.dtype != torch.int32:
             raise ValueError(f"lora_ranks must be int32[num_slots], got {tuple(lora_ranks.shape)} {lora_ranks.dtype}")
         if scalings.shape != lora_ranks.shape or scalings.dtype != torch.float32:
             raise ValueError(f"scalings must be float32[{lora_ranks.shape[0]}], got {tuple(scalings.shape)} "
                              f"{scalings.dtype}")
+        if scalings.device != lora_ranks.device:
+            raise ValueError(f"scalings is on {scalings.device} but lora_ranks is on {lora_ranks.device}")
         self.max_tokens = max_tokens
         self.max_segments = max_segments
         self.lora_ranks = lora_ranks
         self.scalings = scalings
         self.device = lora_ranks.device
         self.cuda_graph = cuda_graph
+        self.num_slots = lora_ranks.shape[0]
+        self.builds = 0
+        self.stalls = 0
+        self._is_cuda = self.device.type == "cuda"
+        S, T = max_segments, max_tokens
+        # int32 prefix sums cannot overflow when every count <= max_tokens and S * max_tokens fits.
+        self._cumsum_safe = S * T < 2**31
+        self._record_len = 3 * S + 1 + T  # the largest record: full capacity plus a permutation
+        self._ring = [_Staging(self._record_len, self._is_cuda, torch.cuda.Event() if self._is_cuda else None)
+                      for _ in range(self.ring_size)]
+        self._next = 0
+        self._iota = np.arange(max(T, S + 1), dtype=np.int32)
+        self._scratch64 = np.empty(S, dtype=np.int64)
+        self._req_slots = np.empty(S, dtype=np.int32)  # sort_by_adapter: the requests before grouping
+        self._req_counts = np.empty(S, dtype=np.int32)
+        if cuda_graph:
+            self._init_graph_buffers()
 
-    def _validate(self, counts: np.ndarray, slots: np.ndarray) -> None:
-        if counts.shape != slots.shape:
-            raise ValueError(f"seg_token_counts has {counts.size} entries but slots has {slots.size}")
-        if counts.size > self.max_segments:
-            raise ValueError(f"{counts.size} requests exceed max_segments={self.max_segments}")
-        if counts.size and counts.min() < 0:
-            raise ValueError(f"seg_token_counts must be >= 0, got {int(counts.min())}")
-        num_slots = self.lora_ranks.shape[0]
-        if slots.size and (slots.min() < -1 or slots.max() >= num_slots):
-            bad = int(slots[(slots < -1) | (slots >= num_slots)][0])
-            raise ValueError(f"slot {bad} out of range: slots must be -1 or in [0, {num_slots})")
-        if counts.sum() > self.max_tokens:
-            raise ValueError(f"{int(counts.sum())} tokens exceed max_tokens={self.max_tokens}")
+    # ------------------------------------------------------------------ graph-mode static buffers
+
+    def _init_graph_buffers(self) -> None:
+        S, T = self.max_segments, self.max_tokens
+        dev = torch.empty(self._record_len, dtype=torch.int32, device=self.device)
+        # Initial contents: an empty batch (all segments empty, slot -1, identity permutation).
+        init = np.concatenate([np.full(S, -1), np.zeros(2 * S + 1), np.arange(T)]).astype(np.int32)
+        dev.copy_(torch.from_numpy(init))
+        self._dev = dev
+        self._g_wi = dev[:S]
+        self._g_lens = dev[S:2 * S]
+        self._g_indptr = dev[2 * S:3 * S + 1]
+        self._g_perm = dev[3 * S + 1:]
+        # Destinations of the three copy lengths graph mode uses: decode, unsorted, sorted.
+        self._g_dst = {S: dev[:S], 3 * S + 1: dev[:3 * S + 1], self._record_len: dev}
+        for st in self._ring:  # staging tails start as the empty batch too
+            st.array[:] = init
+            st.prefix.update({S: st.tensor[:S], 3 * S + 1: st.tensor[:3 * S + 1]})
+        # Pure decode: segment s holds row s (rows beyond max_tokens cannot exist: those segments are empty).
+        covered = min(S, T)
+        lens = np.zeros(S, np.int32)
+        lens[:covered] = 1
+        indptr = np.minimum(np.arange(S + 1), covered).astype(np.int32)
+        self._dec_lens = torch.from_numpy(lens).to(self.device)
+        self._dec_indptr = torch.from_numpy(indptr).to(self.device)
+        self._dec_rows = covered
+
+    def graph_family(self, info: LoRABatchInfo) -> tuple[str, bool]:
+        """(\"decode\" | \"general\", sorted): a graph captured with one info replays infos of the same family."""
+        if not self.cuda_graph:
+            raise ValueError("graph_family is defined for cuda_graph=True builders only")
+        return ("decode" if info.seg_indptr is self._dec_indptr else "general", info.permutation is not None)
+
+    # ------------------------------------------------------------------ host side
+
+    def _acquire(self) -> _Staging:
+        """The next staging buffer, once the GPU has finished reading it (waits, and counts, only if not)."""
+        st = self._ring[self._next]
+        ev = st.event
+        if ev is not None and not ev.query():
+            ev.synchronize()
+            self.stalls += 1
+        return st
+
+    @staticmethod
+    def _fill(dst: np.ndarray, values, name: str) -> None:
+        """dst[:] = values (host ints); numpy arrays/tensors of wider ints are range-checked, not wrapped."""
+        if isinstance(values, (np.ndarray, torch.Tensor)):
+            a = values.numpy() if isinstance(values, torch.Tensor) else values
+            if a.dtype.kind not in "iu":
+                raise ValueError(f"{name} must hold integers, got {tuple(a.shape)} {a.dtype}")
+            if a.dtype.itemsize >= 4 and a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
+                raise ValueError(f"{name} holds values outside int32 ({a.min()}..{a.max()})")
+            values = a
+        try:
+            dst[:] = values
+        except OverflowError:
+            raise ValueError(f"{name} holds values outside int32") from None
+
+    def _write_requests(self, w: np.ndarray, c: np.ndarray, seg_token_counts, slots) -> tuple[int, bool]:
+        """w[:] = slots, c[:] = counts, both checked on the host; returns (max count, every count is 1)."""
+        self._fill(w, slots, "slots")
+        if w.size and (_min(w) < -1 or _max(w) >= self.num_slots):
+            bad = int(w[(w < -1) | (w >= self.num_slots)][0])
+            raise ValueError(f"slot {bad} out of range: slots must be -1 or in [0, {self.num_slots})")
+        n = c.size
+        if not n:
+            return 0, False
+        # Decode batches arrive as lists of 1s: list.count is one C loop, no conversion, nothing to check.
+        if type(seg_token_counts) in (list, tuple) and seg_token_counts.count(1) == n:
+            c.fill(1)
+            return 1, True
+        self._fill(c, seg_token_counts, "seg_token_counts")
+        cmin, cmax = int(_min(c)), int(_max(c))
+        if cmin < 0:
+            raise ValueError(f"seg_token_counts must be >= 0, got {cmin}")
+        if cmax > self.max_tokens:
+            raise ValueError(f"{cmax} tokens exceed max_tokens={self.max_tokens}")
+        return cmax, cmin == 1 and cmax == 1
+
+    def _prefix_sum(self, lens: np.ndarray, indptr: np.ndarray) -> int:
+        """indptr[0] = 0, indptr[1:] = cumsum(lens); returns the total after checking it against max_tokens."""
+        indptr[0] = 0
+        if self._cumsum_safe:
+            np.cumsum(lens, dtype=np.int32, out=indptr[1:])
+            total = int(indptr[-1])
+        else:
+            acc = self._scratch64[:lens.size]
+            np.cumsum(lens, out=acc)
+            total = int(acc[-1]) if lens.size else 0
+            if total <= self.max_tokens:
+                indptr[1:] = acc
+        if total > self.max_tokens:
+            raise ValueError(f"{total} tokens exceed max_tokens={self.max_tokens}")
+        return total
+
+    @staticmethod
+    def _group(slots: np.ndarray, counts: np.ndarray, total: int):
+        """Requests sharing a slot merged into one segment (ascending slot, request order kept within).
+
+        Returns (segment slots, segment lengths, permutation: physical row of each segmented row)."""
+        order = np.argsort(slots, kind="stable")
+        ss, cs = slots[order], counts[order].astype(np.int64)
+        first = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1])))
+        sorted_end = np.cumsum(cs)
+        seg_end = sorted_end[np.append(first[1:] - 1, slots.size - 1)]
+        seg_lens = np.diff(seg_end, prepend=0)
+        phys_start = np.cumsum(counts, dtype=np.int64) - counts
+        shift = phys_start[order] - (sorted_end - cs)  # physical minus segmented start of each request
+        perm = np.arange(total, dtype=np.int64) + np.repeat(shift, cs)
+        return ss[first], seg_lens, perm
+
+    # ------------------------------------------------------------------ build
 
     def build(self, seg_token_counts: Sequence[int], slots: Sequence[int], sort_by_adapter: bool = False
               ) -> LoRABatchInfo:
-        counts = np.asarray(seg_token_counts, dtype=np.int64).reshape(-1)
-        slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
-        self._validate(counts, slot_arr)
-        num_tokens = int(counts.sum())
-        permutation = None
-        if sort_by_adapter and counts.size:
-            row_slot = np.repeat(slot_arr, counts)
-            order = np.argsort(row_slot, kind="stable")
-            permutation = order.astype(np.int32)
-            uniq, seg_counts = np.unique(row_slot[order], return_counts=True)
-            slot_arr, counts = uniq, seg_counts
-        cap = self.max_segments if self.cuda_graph else max(counts.size, 1)
-        seg_lens = np.zeros(cap, dtype=np.int32)
-        seg_lens[: counts.size] = counts
-        weight_indices = np.full(cap, -1, dtype=np.int32)
-        weight_indices[: slot_arr.size] = slot_arr
-        seg_indptr = np.zeros(cap + 1, dtype=np.int32)
-        np.cumsum(seg_lens, out=seg_indptr[1:])
-        if permutation is not None and self.cuda_graph:
-            full = np.arange(self.max_tokens, dtype=np.int32)
-            full[: permutation.size] = permutation
-            permutation = full
-        max_seg_len = self.max_tokens if self.cuda_graph else int(counts.max(initial=0))
+        """Metadata for one batch: request i owns the next `seg_token_counts[i]` rows of x and uses slot
+        `slots[i]` (-1 = no LoRA). Host-side work and one non-blocking copy; never waits for the GPU
+        (unless the staging ring is exhausted, see `stalls`)."""
+        for name, v in (("seg_token_counts", seg_token_counts), ("slots", slots)):
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                raise ValueError(f"{name} must be host ints (reading a {v.device} tensor would sync), got "
+                                 f"{tuple(v.shape)} {v.dtype} on {v.device}")
+        n = len(slots)
+        if len(seg_token_counts) != n:
+            raise ValueError(f"seg_token_counts has {len(seg_token_counts)} entries but slots has {n}")
+        if n > self.max_segments:
+            raise ValueError(f"{n} requests exceed max_segments={self.max_segments}")
+        st = self._acquire()
+        rec = st.array
+        if sort_by_adapter:
+            return self._build_sorted(st, seg_token_counts, slots, n)
+        if self.cuda_graph:
+            S = self.max_segments
+            _, decode = self._write_requests(rec[:n], rec[S:S + n], seg_token_counts, slots)
+            rec[n:S] = -1
+            if decode and n <= self._dec_rows:  # seg_lens/seg_indptr precomputed: copy weight_indices only
+                self._copy(st, S, self._g_dst[S])
+                return self._info(self._g_wi, self._dec_lens, self._dec_indptr, None, n, 1, self._dec_rows)
+            rec[S + n:2 * S] = 0
+            total = self._prefix_sum(rec[S:2 * S], rec[2 * S:3 * S + 1])
+            self._copy(st, 3 * S + 1, self._g_dst[3 * S + 1])
+            return self._info(self._g_wi, self._g_lens, self._g_indptr, None, n, self.max_tokens, total)
+        cap = max(n, 1)
+        cmax, _ = self._write_requests(rec[:n], rec[cap:cap + n], seg_token_counts, slots)
+        if not n:
+            rec[0], rec[1] = -1, 0
+        total = self._prefix_sum(rec[cap:2 * cap], rec[2 * cap:3 * cap + 1])
+        dev = self._copy(st, 3 * cap + 1, None)
+        wi, lens, indptr = dev.split((cap, cap, cap + 1))
+        return self._info(wi, lens, indptr, None, n, cmax, total)
 
-        def dev(a):
-            return torch.from_numpy(a).to(self.device, non_blocking=False)
+    def _build_sorted(self, st: _Staging, seg_token_counts, slots, n: int) -> LoRABatchInfo:
+        rec = st.array
+        S, T = self.max_segments, self.max_tokens
+        w, c = self._req_slots[:n], self._req_counts[:n]
+        self._write_requests(w, c, seg_token_counts, slots)
+        total = int(c.sum(dtype=np.int64))
+        if total > T:
+            raise ValueError(f"{total} tokens exceed max_tokens={T}")
+        if n:
+            seg_slots, seg_lens, perm = self._group(w, c, total)
+        else:
+            seg_slots = seg_lens = perm = np.zeros(0, np.int32)
+        k = seg_slots.size
+        max_len = int(seg_lens.max()) if k else 0
+        cap, perm_len = (S, T) if self.cuda_graph else (max(k, 1), total)
+        rec[:k] = seg_slots
+        rec[k:cap] = -1
+        rec[cap:cap + k] = seg_lens
+        rec[cap + k:2 * cap] = 0
+        self._prefix_sum(rec[cap:2 * cap], rec[2 * cap:3 * cap + 1])
+        p = rec[3 * cap + 1:3 * cap + 1 + perm_len]
+        p[:total] = perm
+        if self.cuda_graph:
+            if st.perm_dirty > total:  # restore the identity this buffer's last batch overwrote
+                p[total:st.perm_dirty] = self._iota[total:st.perm_dirty]
+            st.perm_dirty = total
+            self._copy(st, self._record_len, self._dev)
+            return self._info(self._g_wi, self._g_lens, self._g_indptr, self._g_perm, k, T, total)
+        dev = self._copy(st, 3 * cap + 1 + perm_len, None)
+        wi, lens, indptr, perm_t = dev.split((cap, cap, cap + 1, perm_len))
+        return self._info(wi, lens, indptr, perm_t, k, max_len, total)
 
-        return LoRABatchInfo(
-            seg_lens=dev(seg_lens),
-            seg_indptr=dev(seg_indptr),
-            weight_indices=dev(weight_indices),
-            permutation=None if permutation is None else dev(permutation),
-            num_segments=int(counts.size),
-            max_seg_len=max_seg_len,
-            num_tokens=num_tokens,
-            lora_ranks=self.lora_ranks,
-            scalings=self.scalings,
-        )
+    def _copy(self, st: _Staging, length: int, dst: torch.Tensor | None) -> torch.Tensor:
+        """Copies record[:length] to dst (a fresh device tensor when None), marks the staging buffer busy
+        until the copy is done, and advances the ring."""
+        src = st.prefix.get(length)
+        if src is None:
+            src = st.tensor.narrow(0, 0, length)
+        if dst is None:
+            dst = torch.empty(length, dtype=torch.int32, device=self.device)
+        dst.copy_(src, non_blocking=self._is_cuda)
+        if st.event is not None:  # the copy runs on the destination device's current stream
+            st.event.record(torch.cuda.current_stream(self.device) if self._is_cuda else None)
+        self._next = (self._next + 1) % len(self._ring)
+        self.builds += 1
+        return dst
+
+    def _info(self, wi, lens, indptr, perm, num_segments, max_seg_len, num_tokens) -> LoRABatchInfo:
+        return LoRABatchInfo(seg_lens=lens, seg_indptr=indptr, weight_indices=wi, permutation=perm,
+                             num_segments=num_segments, max_seg_len=max_seg_len, num_tokens=num_tokens,
+                             lora_ranks=self.lora_ranks, scalings=self.scalings)
