@@ -81,6 +81,26 @@ def time_graph_us(fn: Callable[[], object], inner: int = 20, warmup: int = 3, re
     return time_cuda_us(graph.replay, warmup=warmup, reps=reps) / inner
 
 
+def time_host_us(fn: Callable[[], object], warmup: int = 50, reps: int = 2000) -> dict:
+    """Host wall time of fn() alone, no GPU sync around it: {"median_us", "p99_us", "mean_us"} over `reps`
+    calls after `warmup`. For host-side work such as batch preparation, whose cost is the time it takes
+    from the launching thread (GC left on, as in a serving process)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    clock = time.perf_counter_ns
+    samples = []
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    samples.sort()
+    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+    return {"median_us": samples[len(samples) // 2] / 1e3, "p99_us": p99 / 1e3,
+            "mean_us": sum(samples) / len(samples) / 1e3}
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()

@@ -40,6 +40,9 @@ import torch
 
 # The ufunc reductions directly: ndarray.min/max add a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
+# The current stream as a raw handle: a dict key, cheaper than building a torch Stream per build.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 @dataclass
@@ -129,6 +132,9 @@ class BatchInfoBuilder:
         self._scratch64 = np.empty(S, dtype=np.int64)
         self._req_slots = np.empty(S, dtype=np.int32)  # sort_by_adapter: the requests before grouping
         self._req_counts = np.empty(S, dtype=np.int32)
+        self._flags = np.empty(S, dtype=bool)
+        self._streams = {}  # raw CUDA stream -> torch Stream, so recording an event costs no Stream creation
+        self._dev_index = self.device.index if self._is_cuda else -1
         if cuda_graph:
             self._init_graph_buffers()
 
@@ -228,22 +234,6 @@ class BatchInfoBuilder:
             raise ValueError(f"{total} tokens exceed max_tokens={self.max_tokens}")
         return total
 
-    @staticmethod
-    def _group(slots: np.ndarray, counts: np.ndarray, total: int):
-        """Requests sharing a slot merged into one segment (ascending slot, request order kept within).
-
-        Returns (segment slots, segment lengths, permutation: physical row of each segmented row)."""
-        order = np.argsort(slots, kind="stable")
-        ss, cs = slots[order], counts[order].astype(np.int64)
-        first = np.flatnonzero(np.concatenate(([True], ss[1:] != ss[:-1])))
-        sorted_end = np.cumsum(cs)
-        seg_end = sorted_end[np.append(first[1:] - 1, slots.size - 1)]
-        seg_lens = np.diff(seg_end, prepend=0)
-        phys_start = np.cumsum(counts, dtype=np.int64) - counts
-        shift = phys_start[order] - (sorted_end - cs)  # physical minus segmented start of each request
-        perm = np.arange(total, dtype=np.int64) + np.repeat(shift, cs)
-        return ss[first], seg_lens, perm
-
     # ------------------------------------------------------------------ build
 
     def build(self, seg_token_counts: Sequence[int], slots: Sequence[int], sort_by_adapter: bool = False
@@ -281,31 +271,50 @@ class BatchInfoBuilder:
             rec[0], rec[1] = -1, 0
         total = self._prefix_sum(rec[cap:2 * cap], rec[2 * cap:3 * cap + 1])
         dev = self._copy(st, 3 * cap + 1, None)
-        wi, lens, indptr = dev.split((cap, cap, cap + 1))
+        wi, lens, indptr = dev.split_with_sizes((cap, cap, cap + 1))
         return self._info(wi, lens, indptr, None, n, cmax, total)
 
     def _build_sorted(self, st: _Staging, seg_token_counts, slots, n: int) -> LoRABatchInfo:
+        """Requests sharing a slot merged into one segment (ascending slot, request order kept within it);
+        `permutation` maps each segmented row to its physical row."""
         rec = st.array
         S, T = self.max_segments, self.max_tokens
         w, c = self._req_slots[:n], self._req_counts[:n]
         self._write_requests(w, c, seg_token_counts, slots)
-        total = int(c.sum(dtype=np.int64))
+        total = int(c.sum(dtype=np.int64)) if n else 0
         if total > T:
             raise ValueError(f"{total} tokens exceed max_tokens={T}")
+        k = 0
         if n:
-            seg_slots, seg_lens, perm = self._group(w, c, total)
-        else:
-            seg_slots = seg_lens = perm = np.zeros(0, np.int32)
-        k = seg_slots.size
-        max_len = int(seg_lens.max()) if k else 0
+            order = np.argsort(w, kind="stable")
+            ss, cs = w[order], c[order]
+            new = self._flags[:n]
+            new[0] = True
+            np.not_equal(ss[1:], ss[:-1], out=new[1:])
+            first = np.flatnonzero(new)  # first sorted request of each segment
+            k = first.size
         cap, perm_len = (S, T) if self.cuda_graph else (max(k, 1), total)
-        rec[:k] = seg_slots
-        rec[k:cap] = -1
-        rec[cap:cap + k] = seg_lens
-        rec[cap + k:2 * cap] = 0
-        self._prefix_sum(rec[cap:2 * cap], rec[2 * cap:3 * cap + 1])
+        wi, lens, indptr = rec[:cap], rec[cap:2 * cap], rec[2 * cap:3 * cap + 1]
         p = rec[3 * cap + 1:3 * cap + 1 + perm_len]
-        p[:total] = perm
+        wi[k:] = -1
+        lens[k:] = 0
+        indptr[0] = 0
+        indptr[k + 1:] = total
+        max_len = 0
+        if n:
+            np.take(ss, first, out=wi[:k])
+            end = np.cumsum(cs, dtype=np.int32)  # end of each sorted request (int32: partial sums <= total)
+            np.take(end, first[1:] - 1, out=indptr[1:k])
+            indptr[k] = total
+            np.subtract(indptr[1:k + 1], indptr[:k], out=lens[:k])
+            max_len = int(_max(lens[:k]))
+            # Segmented row i of sorted request j is physical row start_j + (i - segmented start_j).
+            shift = np.cumsum(c, dtype=np.int32)
+            shift -= c
+            shift = shift[order]
+            shift -= end
+            shift += cs
+            np.add(np.repeat(shift, cs), self._iota[:total], out=p[:total])
         if self.cuda_graph:
             if st.perm_dirty > total:  # restore the identity this buffer's last batch overwrote
                 p[total:st.perm_dirty] = self._iota[total:st.perm_dirty]
@@ -313,8 +322,8 @@ class BatchInfoBuilder:
             self._copy(st, self._record_len, self._dev)
             return self._info(self._g_wi, self._g_lens, self._g_indptr, self._g_perm, k, T, total)
         dev = self._copy(st, 3 * cap + 1 + perm_len, None)
-        wi, lens, indptr, perm_t = dev.split((cap, cap, cap + 1, perm_len))
-        return self._info(wi, lens, indptr, perm_t, k, max_len, total)
+        wi_t, lens_t, indptr_t, perm_t = dev.split_with_sizes((cap, cap, cap + 1, perm_len))
+        return self._info(wi_t, lens_t, indptr_t, perm_t, k, max_len, total)
 
     def _copy(self, st: _Staging, length: int, dst: torch.Tensor | None) -> torch.Tensor:
         """Copies record[:length] to dst (a fresh device tensor when None), marks the staging buffer busy
@@ -322,14 +331,24 @@ class BatchInfoBuilder:
         src = st.prefix.get(length)
         if src is None:
             src = st.tensor.narrow(0, 0, length)
-        if dst is None:
-            dst = torch.empty(length, dtype=torch.int32, device=self.device)
-        dst.copy_(src, non_blocking=self._is_cuda)
-        if st.event is not None:  # the copy runs on the destination device's current stream
-            st.event.record(torch.cuda.current_stream(self.device) if self._is_cuda else None)
+        if dst is not None:
+            dst.copy_(src, non_blocking=self._is_cuda)
+        elif self._is_cuda:
+            dst = src.to(self.device, non_blocking=True)
+        else:
+            dst = src.clone()
+        if st.event is not None:  # the copy ran on the destination device's current stream
+            st.event.record(self._current_stream() if self._is_cuda else None)
         self._next = (self._next + 1) % len(self._ring)
         self.builds += 1
         return dst
+
+    def _current_stream(self):
+        raw = _raw_stream(self._dev_index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        return stream
 
     def _info(self, wi, lens, indptr, perm, num_segments, max_seg_len, num_tokens) -> LoRABatchInfo:
         return LoRABatchInfo(seg_lens=lens, seg_indptr=indptr, weight_indices=wi, permutation=perm,

@@ -419,3 +419,28 @@ def test_profiler_script_finds_no_sync_in_batch_prep(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--steps", "12", "--baseline", "--out", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1, bad.stdout + bad.stderr
+
+
+def test_profile_analysis_counts_syncs_only_inside_batch_prep():
+    """The trace analysis of torch_profile.py on a hand-made trace: it must see a sync inside batch_prep
+    (including a device-to-host copy), ignore one outside, and measure the GPU gap across preparation."""
+    sys.path.insert(0, str(ROOT / "bench" / "profile"))
+    import torch_profile
+
+    def x(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+    events = [
+        x("kernel", "k0", 0, 10, tid=7), x("kernel", "k1", 50, 10, tid=7), x("kernel", "k2", 61, 5, tid=7),
+        x("user_annotation", "batch_prep", 20, 20),
+        x("cuda_runtime", "cudaMemcpyAsync", 22, 2, correlation=5), x("cuda_runtime", "cudaEventRecord", 25, 1),
+        x("cuda_runtime", "cudaStreamSynchronize", 45, 3),  # after the range: the per-step read-back
+        x("cuda_runtime", "cudaStreamSynchronize", 30, 1, tid=2),  # another thread
+    ]
+    clean = torch_profile.analyze({"traceEvents": events})
+    assert (clean["prep_ranges"], clean["calls_in_prep"], clean["syncs"]) == (1, 2, 0)
+    assert (clean["gaps"], clean["idle_total"], clean["prep_gap_median"]) == (2, 41, 40)
+    dirty = torch_profile.analyze({"traceEvents": events + [
+        x("cuda_runtime", "cudaStreamSynchronize", 30, 1), x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 28, 1,
+                                                              tid=7, correlation=5)]})
+    assert dirty["syncs"] == 2 and dirty["sync_names"] == {"cudaStreamSynchronize": 1, "cudaMemcpyAsync": 1}
