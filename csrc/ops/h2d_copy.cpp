@@ -33,20 +33,36 @@ void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts) {
   }
   const at::cuda::OptionalCUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-#if CUDART_VERSION >= 13000
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attr.srcLocHint.type = cudaMemLocationTypeHost;
-  attr.dstLocHint.type = cudaMemLocationTypeDevice;
-  attr.dstLocHint.id = device.index();
-  size_t attr_idx = 0;
-  C10_CUDA_CHECK(cudaMemcpyBatchAsync(dst_ptrs.data(), src_ptrs.data(), sizes.data(), sizes.size(), &attr,
-                                      &attr_idx, 1, stream));
-#else
+  // Empty tensors have no copy to issue (and the batch API rejects size 0).
+  size_t n = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(dst_ptrs[i], src_ptrs[i], sizes[i], cudaMemcpyHostToDevice, stream));
+    if (sizes[i] == 0) continue;
+    dst_ptrs[n] = dst_ptrs[i];
+    src_ptrs[n] = src_ptrs[i];
+    sizes[n++] = sizes[i];
+  }
+  if (n == 0) return;
+#if CUDART_VERSION >= 13000
+  // The batch API rejects the legacy NULL stream (torch's default stream) and cannot be captured
+  // into a CUDA graph; those cases take the cudaMemcpyAsync loop below.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (stream != nullptr && stream != cudaStreamLegacy && capture == cudaStreamCaptureStatusNone) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.srcLocHint.type = cudaMemLocationTypeHost;
+    attr.dstLocHint.type = cudaMemLocationTypeDevice;
+    attr.dstLocHint.id = device.index();
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // loads run beside compute kernels
+    size_t attr_idx = 0;
+    C10_CUDA_CHECK(cudaMemcpyBatchAsync(dst_ptrs.data(), src_ptrs.data(), sizes.data(), n, &attr, &attr_idx, 1,
+                                        stream));
+    return;
   }
 #endif
+  for (size_t i = 0; i < n; ++i) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst_ptrs[i], src_ptrs[i], sizes[i], cudaMemcpyHostToDevice, stream));
+  }
 }
 
 }  // namespace lora_kernels

@@ -1,0 +1,302 @@
+"""`AdapterLoader`: moves packed adapters from the host store into pool slots on a side stream.
+
+Ordering, all on the GPU (the host never waits):
+- a load of slot s runs on `load_stream` after waiting on the events recorded at s's releases
+  (the compute streams' last use of the old adapter), then records a load event;
+- `acquire(ids)` makes the current (compute) stream wait on the load events still pending;
+- `release(ids)` records an event on the current stream; the slot becomes evictable when no
+  acquire is outstanding, and a later load into it waits on that event.
+Eviction picks the least recently used slot that is neither acquired nor still loading (an event
+query, never a wait). A load copies the header (rank, scaling) and the blocks with one
+`batched_h2d_copy`; when the adapter's rank r is below the pool's R, B blocks ([out, r], strided
+in the pool) land in a device staging buffer and one `_foreach_copy_` scatters them; groups the
+adapter does not target get their A rows zeroed (`_foreach_zero_`). With a CPU pool every copy is
+synchronous and no events exist. Not thread-safe: call it from the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterable
+
+import torch
+
+from lora_kernels.adapters.h2d import batched_h2d_copy
+from lora_kernels.adapters.host_store import HEADER_BYTES, HostAdapterStore, PackedAdapter
+from lora_kernels.adapters.pool import GpuAdapterPool
+
+_PLAN_CACHE_MAX = 512
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class AdapterLoader:
+    """Slot assignment, async loads, LRU eviction and GPU-side ordering for one pool and one host store."""
+
+    def __init__(self, pool: GpuAdapterPool, store: HostAdapterStore, load_stream: torch.cuda.Stream | None = None,
+                 backend: str = "auto"):
+        if store.spec != pool.spec or store.dtype != pool.dtype:
+            raise ValueError(f"store ({store.spec}, {store.dtype}) and pool ({pool.spec}, {pool.dtype}) differ")
+        self.pool, self.store, self.backend = pool, store, backend
+        self.is_cuda = pool.device.type == "cuda"
+        self.load_stream = None
+        if self.is_cuda:
+            self.load_stream = load_stream or torch.cuda.Stream(pool.device)
+            # The pool's tensors were zeroed on the current stream: the first loads come after that.
+            self.load_stream.wait_stream(torch.cuda.current_stream(pool.device))
+        n = pool.num_slots
+        self._slot_of: OrderedDict[Hashable, int] = OrderedDict()  # resident adapters, least recent first
+        self._id_of: list[Hashable | None] = [None] * n
+        self._refs = [0] * n
+        self._free = list(range(n - 1, -1, -1))
+        self._load_event: list[torch.cuda.Event | None] = [None] * n
+        self._load_src: list[PackedAdapter | None] = [None] * n  # kept alive until its copies complete
+        self._release_events: list[dict[int, torch.cuda.Event]] = [{} for _ in range(n)]
+        self._staging: torch.Tensor | None = None
+        self._dst_plans: dict = {}
+        self.stats = {"loads": 0, "evictions": 0, "bytes": 0, "stall_events": 0, "hits": 0}
+
+    # -- queries -------------------------------------------------------------------------------------------
+
+    def slot_of(self, adapter_id: Hashable) -> int | None:
+        return self._slot_of.get(adapter_id)
+
+    def resident(self) -> list[Hashable]:
+        """Adapters with a slot (loaded or loading), least recently used first."""
+        return list(self._slot_of)
+
+    def in_use(self, slot: int) -> bool:
+        return self._refs[slot] > 0
+
+    def is_loading(self, slot: int) -> bool:
+        """True while the slot's load has not completed (an event query: never blocks)."""
+        ev = self._load_event[slot]
+        if ev is None:
+            return False
+        if not ev.query():
+            return True
+        self._load_event[slot] = None
+        self._load_src[slot] = None
+        return False
+
+    def loading_ids(self) -> list[Hashable]:
+        return [a for a, s in self._slot_of.items() if self.is_loading(s)]
+
+    def in_use_ids(self) -> list[Hashable]:
+        return [a for a, s in self._slot_of.items() if self._refs[s] > 0]
+
+    def is_ready(self, adapter_id: Hashable) -> bool:
+        slot = self._slot_of.get(adapter_id)
+        return slot is not None and not self.is_loading(slot)
+
+    def free_or_evictable(self) -> int:
+        """Slots a load could take now."""
+        return len(self._free) + sum(1 for s in self._slot_of.values() if self._evictable(s))
+
+    def _evictable(self, slot: int) -> bool:
+        return self._refs[slot] == 0 and not self.is_loading(slot)
+
+    # -- loading -------------------------------------------------------------------------------------------
+
+    def load_async(self, adapter_id: Hashable, victim: Hashable | None = None) -> int:
+        """The adapter's slot, starting its load on the load stream if it is not resident.
+
+        victim: a resident adapter to replace (a prefetch plan's choice; it must be evictable); by
+        default a free slot, else the least recently used evictable one. Raises RuntimeError when no
+        slot can be taken (every slot acquired or still loading, or `victim` is not evictable),
+        KeyError when the store does not know the adapter, ValueError when its rank exceeds the
+        pool's max rank.
+        """
+        slot = self._slot_of.get(adapter_id)
+        if slot is not None:
+            self._slot_of.move_to_end(adapter_id)
+            self.stats["hits"] += 1
+            return slot
+        packed = self.store.get(adapter_id)
+        if packed.rank > self.pool.max_rank:
+            raise ValueError(f"adapter {adapter_id!r} has rank {packed.rank}, above the pool's max rank "
+                             f"{self.pool.max_rank}")
+        slot = self._take_slot(adapter_id, victim)
+        self._issue(slot, packed)
+        self._slot_of[adapter_id] = slot
+        self._id_of[slot] = adapter_id
+        return slot
+
+    def _take_slot(self, adapter_id: Hashable, victim: Hashable | None) -> int:
+        if victim is not None:
+            slot = self._slot_of.get(victim)
+            if slot is None or not self._evictable(slot):
+                raise RuntimeError(f"cannot replace adapter {victim!r} by {adapter_id!r}: it is "
+                                   f"{'not resident' if slot is None else 'acquired or still loading'}")
+            del self._slot_of[victim]
+            self._id_of[slot] = None
+            self.stats["evictions"] += 1
+            return slot
+        if self._free:
+            return self._free.pop()
+        for victim, slot in self._slot_of.items():
+            if self._evictable(slot):
+                del self._slot_of[victim]
+                self._id_of[slot] = None
+                self.stats["evictions"] += 1
+                return slot
+        raise RuntimeError(f"no slot for adapter {adapter_id!r}: all {self.pool.num_slots} slots are acquired or "
+                           f"still loading")
+
+    def _issue(self, slot: int, packed: PackedAdapter) -> None:
+        srcs = self._src_plan(packed)
+        dsts, staged_dst, staged_src, zero = self._dst_plan(slot, packed)
+        if not self.is_cuda:
+            batched_h2d_copy(srcs, dsts, backend=self.backend)
+            if staged_dst:
+                torch._foreach_copy_(staged_dst, staged_src)
+            if zero:
+                torch._foreach_zero_(zero)
+        else:
+            stream = self.load_stream
+            with torch.cuda.stream(stream):
+                for ev in self._release_events[slot].values():
+                    stream.wait_event(ev)
+                self._release_events[slot].clear()
+                batched_h2d_copy(srcs, dsts, stream, backend=self.backend)
+                if staged_dst:
+                    torch._foreach_copy_(staged_dst, staged_src)
+                if zero:
+                    torch._foreach_zero_(zero)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            self._load_event[slot] = ev
+            self._load_src[slot] = packed
+        self.stats["loads"] += 1
+        self.stats["bytes"] += packed.payload_bytes
+
+    def _src_plan(self, packed: PackedAdapter) -> list[torch.Tensor]:
+        """Host byte views in copy order (cached on the packed adapter per pool rank)."""
+        R = self.pool.max_rank
+        plan = packed.plans.get(R)
+        if plan is None:
+            r = packed.rank
+            plan = [packed.header[:4], packed.header[4:HEADER_BYTES]]
+            for (layer, gname), a in packed.a.items():
+                g = self.pool.spec.group(gname)
+                if r == R:
+                    plan.append(a)
+                else:
+                    step = a.numel() // g.num_slices
+                    plan += [a[i * step:(i + 1) * step] for i in range(g.num_slices)]
+                plan.append(packed.b[(layer, gname)])
+            packed.plans[R] = plan
+        return plan
+
+    def _dst_plan(self, slot: int, packed: PackedAdapter):
+        """(device byte views in copy order, staged B dsts, staging srcs, A views to zero) for this slot."""
+        key = (slot, packed.rank, packed.layout)
+        plan = self._dst_plans.get(key)
+        if plan is not None:
+            return plan
+        pool, r, R = self.pool, packed.rank, self.pool.max_rank
+        dsts = [_bytes(pool.lora_ranks[slot:slot + 1]), _bytes(pool.scalings[slot:slot + 1])]
+        staged_dst, staged_src, zero = [], [], []
+        staging = self._staging_buffer() if r < R else None
+        off = 0
+        present = set(packed.layout)
+        for layer in range(pool.spec.layers):
+            for g in pool.spec.groups:
+                a, b = pool.lora_a[layer][g.name][slot], pool.lora_b[layer][g.name][slot]
+                if (layer, g.name) not in present:
+                    zero.append(a)
+                    continue
+                if r == R:
+                    dsts += [_bytes(a), _bytes(b)]
+                    continue
+                dsts += [_bytes(a[i * R:i * R + r]) for i in range(g.num_slices)]
+                n = g.out_total * r
+                st = staging[off:off + n]
+                dsts.append(_bytes(st))
+                staged_src.append(st.view(g.out_total, r))
+                staged_dst.append(b[:, :r])
+                off += n
+        # The dst order must follow the src order: pool order over the blocks present.
+        plan = (dsts, staged_dst, staged_src, zero)
+        if len(self._dst_plans) >= _PLAN_CACHE_MAX:
+            self._dst_plans.clear()
+        self._dst_plans[key] = plan
+        return plan
+
+    def _staging_buffer(self) -> torch.Tensor:
+        """Device room for every B block of an adapter of rank < R (allocated once, used only on the load stream)."""
+        if self._staging is None:
+            spec, R = self.pool.spec, self.pool.max_rank
+            n = spec.layers * sum(g.out_total for g in spec.groups) * (R - 1)
+            if self.is_cuda:
+                with torch.cuda.stream(self.load_stream):
+                    self._staging = torch.empty(n, dtype=self.pool.dtype, device=self.pool.device)
+            else:
+                self._staging = torch.empty(n, dtype=self.pool.dtype)
+        return self._staging
+
+    # -- batches -------------------------------------------------------------------------------------------
+
+    def acquire(self, adapter_ids: Iterable[Hashable | None]) -> list[int]:
+        """Slots for a batch (None -> -1, no LoRA), loading what is missing; pins them until `release`.
+
+        The current stream waits (on the GPU) for loads still in flight; the host does not block.
+        Each id counts once per occurrence; release the same list after the batch is enqueued.
+        """
+        ids = list(adapter_ids)
+        slots: list[int | None] = [None] * len(ids)
+        pinned: list[int] = []
+        try:
+            # Pin the resident ones first, so that loading the missing ones cannot evict them.
+            for i, aid in enumerate(ids):
+                if aid is None:
+                    slots[i] = -1
+                elif (s := self._slot_of.get(aid)) is not None:
+                    self._slot_of.move_to_end(aid)
+                    self._refs[s] += 1
+                    pinned.append(s)
+                    slots[i] = s
+            for i, aid in enumerate(ids):
+                if slots[i] is None:
+                    s = self._slot_of.get(aid)
+                    if s is None:
+                        s = self.load_async(aid)
+                    else:
+                        self._slot_of.move_to_end(aid)
+                    self._refs[s] += 1
+                    pinned.append(s)
+                    slots[i] = s
+        except BaseException:
+            for s in pinned:
+                self._refs[s] -= 1
+            raise
+        if self.is_cuda:
+            stream = torch.cuda.current_stream(self.pool.device)
+            for s in set(pinned):
+                if self.is_loading(s):
+                    stream.wait_event(self._load_event[s])
+                    self.stats["stall_events"] += 1
+        return slots  # type: ignore[return-value]
+
+    def release(self, adapter_ids: Iterable[Hashable | None]) -> None:
+        """Ends a batch's use of its adapters; their slots' next load waits for the current stream's work so far."""
+        slots: list[int] = []
+        for aid in adapter_ids:
+            if aid is None:
+                continue
+            s = self._slot_of.get(aid)
+            if s is None or self._refs[s] <= slots.count(s):
+                raise ValueError(f"release of adapter {aid!r}, which is not acquired (or released more often "
+                                 f"than acquired)")
+            slots.append(s)
+        ev = None
+        if self.is_cuda and slots:
+            stream = torch.cuda.current_stream(self.pool.device)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        for s in slots:
+            self._refs[s] -= 1
+            if ev is not None:
+                self._release_events[s][stream.cuda_stream] = ev

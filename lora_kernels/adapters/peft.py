@@ -1,0 +1,307 @@
+"""Reading PEFT LoRA adapter folders and mapping them onto the pool layout of DESIGN.md §3.
+
+A folder holds `adapter_config.json` and `adapter_model.safetensors` with tensors named
+`base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`, A: [r, in], B: [out, r].
+
+Mapping (exact, per slot one rank and one scaling, as the kernels take them):
+- The slot rank is the adapter's largest module rank. A module of smaller rank r_m (rank_pattern) is
+  zero-padded: its A rows r_m..rank-1 and B columns r_m..rank-1 are 0, which adds exactly 0.
+- The slot scaling is the config's default scaling (lora_alpha / r, or / sqrt(r) with use_rslora; 1.0
+  if that is 0). A module whose own scaling s_m differs (rank_pattern / alpha_pattern) has its B
+  multiplied by s_m / s_slot (in float64, then cast), so slot scaling × B gives s_m × B_m.
+- A slice the adapter lacks inside a targeted group (e.g. q and v without k) is written as zeros
+  in both its A rows and B rows: the slot's rank is shared by all slices, so "rank 0 for that slice"
+  is represented by zero weights. A group the adapter does not target at all is left out of
+  `AdapterWeights` and the loader zeroes that group's A rows in the slot (again adding exactly 0).
+- Fused modules (`qkv_proj`, `gate_up_proj`, as in Phi-3) have one A for all slices: it is written
+  into every slice's A rows, and B's rows split by slice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lora_kernels.adapters.spec import ModelSpec
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+# PEFT module name -> (group, slice index); None slice = a fused module covering every slice.
+MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "qkv_proj": ("qkv_proj", None),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "gate_up_proj": ("gate_up_proj", None),
+    "down_proj": ("down_proj", 0),
+}
+_PARENT = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+_KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
+                     r"(?P<name>\w+))\.lora_(?P<ab>[AB])\.weight$")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class AdapterFormatError(ValueError):
+    """A PEFT adapter folder that cannot be mapped onto the pool: the message names the file or tensor."""
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter in the §3 layout at its own rank (not yet padded to a pool's max rank).
+
+    lora_a[(layer, group)]: [S*rank, in_dim], slice i in rows [i*rank, (i+1)*rank)
+    lora_b[(layer, group)]: [out_total, rank], slice i in rows [off[i], off[i+1])
+    Groups absent from the dicts are not targeted (they must add 0). `scaling` is the slot scaling.
+    """
+
+    spec: ModelSpec
+    rank: int
+    scaling: float
+    lora_a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    lora_b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.lora_a.values())).dtype if self.lora_a else torch.float32
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.lora_a, self.lora_b) for t in d.values())
+
+    @classmethod
+    def random(cls, spec: ModelSpec, rank: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+               groups: tuple[str, ...] | None = None, scaling: float = 2.0, std: float = 0.05) -> "AdapterWeights":
+        """A random adapter targeting `groups` (default: all) of every layer; for tests and benchmarks."""
+        gen = torch.Generator().manual_seed(seed)
+        w = cls(spec, rank, scaling, name=f"random-r{rank}-s{seed}")
+        for layer in range(spec.layers):
+            for g in spec.groups:
+                if groups is not None and g.name not in groups:
+                    continue
+                a = torch.randn(g.num_slices * rank, g.in_dim, generator=gen) * std
+                b = torch.randn(g.out_total, rank, generator=gen) * std
+                w.lora_a[(layer, g.name)] = a.to(dtype)
+                w.lora_b[(layer, g.name)] = b.to(dtype)
+        return w
+
+
+def _scaling(alpha: float, r: int, rslora: bool) -> float:
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rule: a pattern key applies when the module name ends with it (as a regex, after a dot)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _is_targeted(target, module: str) -> bool:
+    if target == "all-linear":
+        return True
+    if isinstance(target, str):
+        return re.fullmatch(target, module) is not None
+    return any(module == t or module.endswith("." + t) for t in target)
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise AdapterFormatError(f"{path}: not found (a PEFT adapter folder holds {CONFIG_NAME} and {WEIGHTS_NAME})")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterFormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterFormatError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterFormatError(f"{path}: peft_type must be LORA, got {cfg.get('peft_type')!r}")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterFormatError(f"{path}: r must be a positive int, got {r!r}")
+    if not isinstance(cfg.get("lora_alpha", r), (int, float)):
+        raise AdapterFormatError(f"{path}: lora_alpha must be a number, got {cfg.get('lora_alpha')!r}")
+    for flag, why in (("use_dora", "DoRA magnitudes"), ("lora_bias", "LoRA biases")):
+        if cfg.get(flag):
+            raise AdapterFormatError(f"{path}: {flag}=true is not supported (the kernels apply no {why})")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterFormatError(f"{path}: bias={cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("target_modules") is None:
+        raise AdapterFormatError(f"{path}: target_modules is missing")
+    return cfg
+
+
+def _read_header(path: Path) -> dict:
+    """The safetensors header, checked against the file size so that truncation names a tensor."""
+    if not path.is_file():
+        raise AdapterFormatError(f"{path}: not found")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise AdapterFormatError(f"{path}: corrupt or truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise AdapterFormatError(f"{path}: corrupt or truncated safetensors file (header of {n} bytes "
+                                     f"in a {size}-byte file)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterFormatError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise AdapterFormatError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_size = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise AdapterFormatError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
+        if end > data_size:
+            raise AdapterFormatError(f"{path}: tensor {name!r} needs bytes [{begin}, {end}) of the data but the "
+                                     f"file holds {data_size}: file truncated")
+    return header
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    header = _read_header(path)
+    out = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in header:
+                if name != "__metadata__":
+                    out[name] = f.get_tensor(name)
+    except SafetensorError as e:
+        raise AdapterFormatError(f"{path}: corrupt safetensors file ({e})") from None
+    except (TypeError, ValueError) as e:  # e.g. a dtype torch cannot represent
+        raise AdapterFormatError(f"{path}: cannot read tensor ({e})") from None
+    return out
+
+
+def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype | None = None,
+                      max_rank: int | None = None) -> AdapterWeights:
+    """Reads a PEFT LoRA folder into `AdapterWeights` for a base model of shape `spec`.
+
+    dtype: the weights' dtype (default: the file's); max_rank: the pool's max rank, checked here so
+    that a too-large adapter fails at load with its tensor named. Raises AdapterFormatError (a
+    ValueError) naming the file or tensor for: a missing/invalid config, a corrupt or truncated
+    safetensors file, unknown or missing tensors, shapes that do not match `spec`, a rank above
+    `max_rank`, a dtype that cannot be converted to floating point, or non-finite values.
+    """
+    folder = Path(path)
+    cfg = _read_config(folder)
+    wpath = folder / WEIGHTS_NAME
+    if not wpath.is_file() and (folder / "adapter_model.bin").is_file():
+        raise AdapterFormatError(f"{wpath}: not found (only adapter_model.bin is there; save with safetensors)")
+    tensors = _read_tensors(wpath)
+    r_default, alpha_default = cfg["r"], cfg.get("lora_alpha", cfg["r"])
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    layers_to_transform = cfg.get("layers_to_transform")
+    if isinstance(layers_to_transform, int):
+        layers_to_transform = [layers_to_transform]
+
+    # Which modules the config says exist (the expected tensors), by full module name. A regex or
+    # "all-linear" cannot tell fused from unfused names without the model: there a module name is
+    # expected in every targeted layer once the file has it in any layer.
+    target = cfg["target_modules"]
+    names_in_file = {m["name"] for m in map(_KEY_RE.match, tensors) if m is not None}
+    targetable: dict[str, tuple[int, str]] = {}
+    expected: dict[str, tuple[int, str]] = {}
+    for layer in range(spec.layers):
+        if layers_to_transform is not None and layer not in layers_to_transform:
+            continue
+        for name, (group, _) in MODULES.items():
+            module = f"model.layers.{layer}.{_PARENT[group]}.{name}"
+            if _is_targeted(target, module):
+                targetable[module] = (layer, name)
+                if not isinstance(target, str) or name in names_in_file:
+                    expected[module] = (layer, name)
+
+    found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        m = _KEY_RE.match(key)
+        if m is None or m["name"] not in MODULES:
+            raise AdapterFormatError(f"{wpath}: unknown tensor {key!r} (expected "
+                                     f"...layers.{{i}}.{{self_attn|mlp}}.{{{'|'.join(MODULES)}}}.lora_{{A|B}}.weight)")
+        layer = int(m["layer"])
+        if layer >= spec.layers:
+            raise AdapterFormatError(f"{wpath}: tensor {key!r} is for layer {layer} but the model has "
+                                     f"{spec.layers} layers")
+        module = f"model.layers.{layer}.{m['parent']}.{m['name']}"
+        if module not in targetable:
+            raise AdapterFormatError(f"{wpath}: unknown tensor {key!r}: module {module} is not targeted by "
+                                     f"target_modules={target!r}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise AdapterFormatError(f"{wpath}: tensor {key!r} has dtype {t.dtype}, which does not convert to "
+                                     f"floating point (shape {tuple(t.shape)})")
+        found.setdefault(module, {})[m["ab"]] = (key, t)
+
+    for module in expected:
+        for ab in "AB":
+            if ab not in found.get(module, {}):
+                raise AdapterFormatError(f"{wpath}: missing tensor 'base_model.model.{module}.lora_{ab}.weight' "
+                                         f"(target_modules={target!r} names it)")
+
+    # Per-module rank and scaling, with shape checks against the spec.
+    modules = []  # (layer, name, A, B, rank, scaling)
+    for module, (layer, name) in expected.items():
+        group = spec.group(MODULES[name][0])
+        sl = MODULES[name][1]
+        out = group.out_total if sl is None else group.slice_widths[sl]
+        r_m = int(_pattern_value(rank_pattern, module, r_default))
+        alpha_m = float(_pattern_value(alpha_pattern, module, alpha_default))
+        (ka, a), (kb, b) = found[module]["A"], found[module]["B"]
+        for key, t, want in ((ka, a, (r_m, group.in_dim)), (kb, b, (out, r_m))):
+            if tuple(t.shape) != want:
+                raise AdapterFormatError(f"{wpath}: tensor {key!r} has shape {tuple(t.shape)} but the model spec "
+                                         f"and rank {r_m} need {want} ({t.dtype})")
+            if not torch.isfinite(t).all():
+                raise AdapterFormatError(f"{wpath}: tensor {key!r} has non-finite values (shape {tuple(t.shape)})")
+        if max_rank is not None and r_m > max_rank:
+            raise AdapterFormatError(f"{wpath}: tensor {ka!r} has rank {r_m}, above the pool's max rank {max_rank}")
+        modules.append((layer, name, a, b, r_m, _scaling(alpha_m, r_m, rslora)))
+
+    rank = max((m[4] for m in modules), default=0)
+    if rank == 0:
+        raise AdapterFormatError(f"{wpath}: no LoRA tensors for target_modules={target!r}")
+    slot_scaling = _scaling(alpha_default, r_default, rslora) or 1.0
+    out_dtype = dtype or next(iter(tensors.values())).dtype
+    if out_dtype not in _FLOAT_DTYPES:
+        raise AdapterFormatError(f"dtype must be one of {_FLOAT_DTYPES}, got {out_dtype}")
+
+    w = AdapterWeights(spec, rank, slot_scaling, name=str(folder))
+    acc_a: dict[tuple[int, str], torch.Tensor] = {}
+    acc_b: dict[tuple[int, str], torch.Tensor] = {}
+    filled: set[tuple[tuple[int, str], int]] = set()
+    for layer, name, a, b, r_m, s_m in modules:
+        gname, sl = MODULES[name]
+        group = spec.group(gname)
+        key = (layer, gname)
+        if key not in acc_a:
+            acc_a[key] = torch.zeros(group.num_slices * rank, group.in_dim, dtype=torch.float64)
+            acc_b[key] = torch.zeros(group.out_total, rank, dtype=torch.float64)
+        slices = range(group.num_slices) if sl is None else (sl,)
+        offs = group.slice_offsets
+        for i in slices:
+            if (key, i) in filled:
+                raise AdapterFormatError(f"{wpath}: module {name} of layer {layer} overlaps another module of "
+                                         f"group {gname} (fused and unfused names both present)")
+            filled.add((key, i))
+            acc_a[key][i * rank: i * rank + r_m] = a.double()
+        lo, hi = (0, group.out_total) if sl is None else (offs[sl], offs[sl + 1])
+        acc_b[key][lo:hi, :r_m] = b.double() * (s_m / slot_scaling)
+    for key in acc_a:
+        w.lora_a[key] = acc_a[key].to(out_dtype)
+        w.lora_b[key] = acc_b[key].to(out_dtype)
+    return w

@@ -1,0 +1,256 @@
+"""Adapter memory on the CPU: ModelSpec, host store packing/LRU/threads, pool layout, loader semantics,
+and the eviction property (never an acquired or loading slot) over random sequences."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from lora_kernels.adapters import (AdapterLoader, AdapterWeights, GpuAdapterPool, HostAdapterStore, ModelSpec,
+                                   batched_h2d_copy, pack_adapter)
+
+SPEC = ModelSpec(layers=2, hidden=24, intermediate=20, num_heads=3, num_kv_heads=1, head_dim=8)
+
+
+def _adapter(rank, seed, groups=None, dtype=torch.float32):
+    return AdapterWeights.random(SPEC, rank, dtype, seed=seed, groups=groups, scaling=0.5 + seed)
+
+
+def _check_slot(pool, slot, w):
+    """The slot holds `w` bit for bit where the kernels read, and zeroed A rows for untargeted groups."""
+    R, r = pool.max_rank, w.rank
+    assert int(pool.lora_ranks[slot]) == r
+    assert float(pool.scalings[slot]) == torch.tensor(w.scaling, dtype=torch.float32).item()
+    for layer in range(SPEC.layers):
+        for g in SPEC.groups:
+            a, b = pool.lora_a[layer][g.name][slot], pool.lora_b[layer][g.name][slot]
+            if (layer, g.name) not in w.lora_a:
+                for i in range(g.num_slices):
+                    assert a[i * R:i * R + r].abs().sum() == 0
+                continue
+            for i in range(g.num_slices):
+                assert torch.equal(a[i * R:i * R + r], w.lora_a[(layer, g.name)][i * r:(i + 1) * r])
+            assert torch.equal(b[:, :r], w.lora_b[(layer, g.name)])
+
+
+# ---- ModelSpec ----------------------------------------------------------------------------------------------
+
+def test_spec_llama3_8b_preset():
+    spec = ModelSpec.preset("llama3-8b")
+    assert spec.group("qkv_proj").slice_widths == (4096, 1024, 1024)
+    assert spec.group("gate_up_proj").slice_offsets == (0, 14336, 28672)
+    assert spec.group("down_proj").in_dim == 14336
+    assert spec.adapter_numel(16) * 2 == 83_886_080  # the ~84 MB bf16 r=16 adapter of the benchmark
+    assert ModelSpec.preset("llama3-8b", layers=2).layers == 2
+
+
+def test_spec_from_hf_config_dict():
+    cfg = {"num_hidden_layers": 3, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+           "num_key_value_heads": 2}
+    spec = ModelSpec.from_hf_config(cfg)
+    assert (spec.head_dim, spec.group("qkv_proj").slice_widths) == (16, (64, 32, 32))
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match=r"^ModelSpec.hidden must be a positive int, got 0$"):
+        ModelSpec(layers=1, hidden=0, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=4)
+    with pytest.raises(ValueError, match=r"^ModelSpec.num_heads=3 is not a multiple of num_kv_heads=2$"):
+        ModelSpec(layers=1, hidden=8, intermediate=8, num_heads=3, num_kv_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match=r"^HF config lacks \['hidden_size'\]"):
+        ModelSpec.from_hf_config({"num_hidden_layers": 1, "intermediate_size": 2, "num_attention_heads": 1})
+    with pytest.raises(KeyError, match="unknown ModelSpec preset 'llama9'"):
+        ModelSpec.preset("llama9")
+
+
+# ---- host store ---------------------------------------------------------------------------------------------
+
+def test_pack_layout_round_trip():
+    w = _adapter(4, 1, groups=("qkv_proj", "down_proj"))
+    p = pack_adapter("x", w, SPEC, torch.float32, pin=False)
+    assert p.rank == 4 and p.header[:4].view(torch.int32).item() == 4
+    assert list(p.a) == [(0, "qkv_proj"), (0, "down_proj"), (1, "qkv_proj"), (1, "down_proj")]  # pool order
+    for key in p.a:
+        assert torch.equal(p.a[key].view(torch.float32).view(w.lora_a[key].shape), w.lora_a[key])
+        assert torch.equal(p.b[key].view(torch.float32).view(w.lora_b[key].shape), w.lora_b[key])
+        assert p.a[key].data_ptr() % 256 == p.buffer.data_ptr() % 256  # blocks aligned within the buffer
+    assert p.payload_bytes == 8 + w.nbytes()
+
+
+def test_store_lru_by_bytes():
+    one = pack_adapter("x", _adapter(4, 0), SPEC, torch.float32, pin=False).nbytes
+    store = HostAdapterStore(SPEC, torch.float32, capacity_bytes=2 * one, pin=False)
+    for i in range(3):
+        store.register(f"a{i}", _adapter(4, i))
+        if i == 1:
+            store.get("a0")  # a0 becomes most recent: a1 is dropped next
+    assert store.is_packed("a0") and not store.is_packed("a1") and store.is_packed("a2")
+    assert store.resident_bytes == 2 * one
+    with pytest.raises(KeyError, match="adapter 'a1' is not in the host store"):
+        store.get("a1")
+    with pytest.raises(ValueError, match=f"needs {one} bytes, above the store's capacity_bytes={one - 1}"):
+        HostAdapterStore(SPEC, torch.float32, capacity_bytes=one - 1, pin=False).register("big", _adapter(4, 0))
+
+
+def test_store_threaded_registration():
+    store = HostAdapterStore(SPEC, torch.float32, pin=False)
+    ws = {f"a{i}": _adapter(1 + i % 4, i) for i in range(16)}
+    errors = []
+
+    def work(names):
+        try:
+            for n in names:
+                store.register(n, ws[n])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    names = list(ws)
+    threads = [threading.Thread(target=work, args=(names[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(store) == 16
+    assert store.resident_bytes == sum(store.get(n).nbytes for n in names)
+    for n in names:
+        p = store.get(n)
+        assert torch.equal(p.b[(1, "o_proj")].view(torch.float32).view(-1), ws[n].lora_b[(1, "o_proj")].view(-1))
+
+
+# ---- pool and loader (CPU) ----------------------------------------------------------------------------------
+
+def test_pool_layout():
+    pool = GpuAdapterPool(SPEC, num_slots=3, max_rank=8, dtype=torch.float16, device="cpu")
+    a, b, offs = pool.weights(1, "qkv_proj")
+    assert a.shape == (3, 24, 24) and b.shape == (3, 40, 8) and offs == (0, 24, 32, 40)
+    assert pool.lora_a[0]["down_proj"].shape == (3, 8, 20)
+    assert pool.lora_ranks.dtype == torch.int32 and pool.scalings.dtype == torch.float32
+    with pytest.raises(ValueError, match="max_rank must be in 1..256, got 300"):
+        GpuAdapterPool(SPEC, 2, 300, device="cpu")
+
+
+@pytest.mark.parametrize("rank", [8, 3])
+def test_loader_cpu_exact(rank):
+    pool = GpuAdapterPool(SPEC, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    for layer in range(SPEC.layers):  # stale data everywhere: loads must not depend on zeroed slots
+        for g in SPEC.groups:
+            pool.lora_a[layer][g.name].normal_()
+            pool.lora_b[layer][g.name].normal_()
+    store = HostAdapterStore(SPEC, torch.float32)
+    ws = {"full": _adapter(rank, 1), "qkv": _adapter(rank, 2, groups=("qkv_proj",)),
+          "mlp": _adapter(rank, 3, groups=("gate_up_proj", "down_proj"))}
+    for n, w in ws.items():
+        store.register(n, w)
+    loader = AdapterLoader(pool, store)
+    for n in ["full", "qkv", "mlp", "full"]:
+        slot = loader.load_async(n)
+        assert loader.is_ready(n)
+        _check_slot(pool, slot, ws[n])
+    assert loader.stats["loads"] == 4 and loader.stats["evictions"] == 2
+    assert loader.stats["bytes"] == sum(store.get(n).payload_bytes for n in ["full", "qkv", "mlp", "full"])
+
+
+def test_loader_rank_above_pool_and_unknown():
+    pool = GpuAdapterPool(SPEC, 1, 4, torch.float32, "cpu")
+    store = HostAdapterStore(SPEC, torch.float32)
+    store.register("big", _adapter(6, 0))
+    loader = AdapterLoader(pool, store)
+    with pytest.raises(ValueError, match=r"^adapter 'big' has rank 6, above the pool's max rank 4$"):
+        loader.load_async("big")
+    with pytest.raises(KeyError, match="adapter 'nope' is not in the host store"):
+        loader.acquire(["nope"])
+    assert loader.resident() == [] and loader.stats["loads"] == 0
+
+
+def test_acquire_release_errors_and_rollback():
+    pool = GpuAdapterPool(SPEC, 2, 4, torch.float32, "cpu")
+    store = HostAdapterStore(SPEC, torch.float32)
+    for i in range(3):
+        store.register(f"a{i}", _adapter(4, i))
+    loader = AdapterLoader(pool, store)
+    assert loader.acquire(["a0", None, "a0"]) == [0, -1, 0]
+    # a1 and a2 need two slots but only one is free: nothing stays acquired after the failure.
+    with pytest.raises(RuntimeError, match=r"^no slot for adapter 'a2': all 2 slots are acquired or still loading$"):
+        loader.acquire(["a1", "a2"])
+    assert not loader.in_use(loader.slot_of("a1"))
+    loader.release(["a0"])
+    with pytest.raises(RuntimeError, match=r"^cannot replace adapter 'a0' by 'a2': it is acquired or still loading$"):
+        loader.load_async("a2", victim="a0")
+    loader.release(["a0", None])
+    with pytest.raises(ValueError, match=r"^release of adapter 'a0', which is not acquired"):
+        loader.release(["a0"])
+    assert loader.load_async("a2", victim="a0") == 0 and loader.slot_of("a0") is None
+
+
+def test_batched_h2d_copy_cpu_and_errors():
+    srcs = [torch.randn(5), torch.randn(2, 3)]
+    dsts = [torch.empty(5), torch.empty(6, dtype=torch.float32)]
+    batched_h2d_copy(srcs, dsts)
+    assert torch.equal(dsts[0], srcs[0]) and torch.equal(dsts[1], srcs[1].view(-1))
+    with pytest.raises(ValueError, match=r"^srcs has 2 tensors but dsts has 1$"):
+        batched_h2d_copy(srcs, dsts[:1])
+    with pytest.raises(ValueError, match=r"^srcs\[1\] has 24 bytes \(\(2, 3\) torch.float32\) but dsts\[1\] has 20 "
+                                         r"\(\(5,\) torch.float32\)$"):
+        batched_h2d_copy(srcs, [dsts[0], torch.empty(5)])
+
+
+class _SlowLoader(AdapterLoader):
+    """A CPU loader whose loads stay "in flight" until the test completes them (stands in for events)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.inflight: set[int] = set()
+
+    def _issue(self, slot, packed):
+        assert slot not in self.inflight
+        super()._issue(slot, packed)
+        self.inflight.add(slot)
+
+    def is_loading(self, slot):
+        return slot in self.inflight
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_eviction_never_picks_acquired_or_loading(seed):
+    rng = random.Random(seed)
+    num_slots = rng.randint(1, 4)
+    pool = GpuAdapterPool(SPEC, num_slots, 4, torch.float32, "cpu")
+    store = HostAdapterStore(SPEC, torch.float32)
+    ws = {f"a{i}": _adapter(rng.randint(1, 4), i, groups=rng.choice([None, ("o_proj",)])) for i in range(7)}
+    for n, w in ws.items():
+        store.register(n, w)
+    loader = _SlowLoader(pool, store)
+    batches: list[list[str]] = []
+    for _ in range(150):
+        before = dict(loader._slot_of)
+        protected = {s for s in range(num_slots) if loader.in_use(s) or loader.is_loading(s)}
+        op = rng.random()
+        batch = []
+        try:
+            if op < 0.35:
+                batch = rng.sample(list(ws), rng.randint(1, min(3, num_slots)))
+                batch += rng.choices(batch, k=rng.randint(0, 2))  # repeats count separately
+                loader.acquire(batch)
+                batches.append(batch)
+            elif op < 0.6 and batches:
+                loader.release(batches.pop(rng.randrange(len(batches))))
+            elif op < 0.8:
+                loader.load_async(rng.choice(list(ws)))
+            elif loader.inflight:
+                loader.inflight.discard(rng.choice(sorted(loader.inflight)))
+        except RuntimeError as e:
+            # A fair refusal: every slot is acquired, loading, or held for the batch being acquired.
+            assert "acquired or still loading" in str(e)
+            assert len(loader._slot_of) == num_slots
+            for aid, s in loader._slot_of.items():
+                assert loader.in_use(s) or loader.is_loading(s) or aid in batch, (aid, s)
+        after = dict(loader._slot_of)
+        for aid, s in before.items():
+            if s in protected:
+                assert after.get(aid) == s, f"slot {s} of {aid} was evicted while acquired/loading"
+        # Every acquired slot still holds its adapter bit for bit.
+        for batch in batches:
+            for aid in batch:
+                _check_slot(pool, loader.slot_of(aid), ws[aid])
+        assert sum(loader._refs) == sum(len(b) for b in batches)
+        assert len(set(after.values())) == len(after) <= num_slots
