@@ -64,6 +64,8 @@ def primitives(device: torch.device, reps: int) -> list[dict]:
         "numpy: cumsum of 1024 int32": lambda: np.cumsum(arr, dtype=np.int32, out=arr),
         "torch: copy_ 12 KB pinned -> device, non_blocking": lambda: dst.copy_(src, non_blocking=True),
         "torch: narrow + .to(device) 12 KB": lambda: pinned.narrow(0, 0, 3073).to(device, non_blocking=True),
+        "torch: empty(device) + copy_ 12 KB": lambda: torch.empty(3073, dtype=torch.int32, device=device).copy_(
+            src, non_blocking=True),
         "torch: split_with_sizes into 3": lambda: dst.split_with_sizes((1024, 1024, 1025)),
         "LoRABatchInfo(...)": lambda: LoRABatchInfo(dst, dst, dst, None, 1, 1, 1, dst, dst),
     }
@@ -92,27 +94,30 @@ def main() -> None:
     for kind in ("decode", "mixed"):
         for n in SIZES:
             counts, slots = make_batch(kind, n, rng)
-            naive = common.time_host_us(lambda: naive_build(counts, slots, ranks, scalings), reps=reps // 2)
-            for graph in (False, True):
-                for sort in (False, True):
-                    b = builders[graph]
-                    stalls = b.stalls
-                    t = common.time_host_us(lambda: b.build(counts, slots, sort_by_adapter=sort), reps=reps)
-                    row = {"bench": "batch_info", "kind": kind, "requests": n, "tokens": sum(counts),
-                           "mode": "graph" if graph else "eager", "sort": sort, **t,
-                           "naive_median_us": naive["median_us"], "naive_p99_us": naive["p99_us"],
-                           "speedup": naive["median_us"] / t["median_us"], "stalls": b.stalls - stalls}
-                    target = TARGETS.get((kind, n, graph)) if not sort else None
-                    if target is not None:
-                        row["target_us"] = target
-                        row["target_met"] = t["median_us"] <= target
-                    rows.append(row)
+            variants = {(graph, sort): (lambda b=builders[graph], s=sort: b.build(counts, slots, sort_by_adapter=s))
+                        for graph in (False, True) for sort in (False, True)}
+            variants["naive"] = lambda: naive_build(counts, slots, ranks, scalings)
+            stalls = {g: b.stalls for g, b in builders.items()}
+            times = common.time_host_interleaved_us(variants, reps=reps)
+            naive = times.pop("naive")
+            for (graph, sort), t in times.items():
+                row = {"bench": "batch_info", "kind": kind, "requests": n, "tokens": sum(counts),
+                       "mode": "graph" if graph else "eager", "sort": sort, **t,
+                       "naive_median_us": naive["median_us"], "naive_p99_us": naive["p99_us"],
+                       "speedup": naive["median_us"] / t["median_us"]}
+                target = TARGETS.get((kind, n, graph)) if not sort else None
+                if target is not None:
+                    row["target_us"] = target
+                    row["target_met"] = t["median_us"] <= target
+                rows.append(row)
+            for row in rows[-4:]:  # stalls are counted per builder, over all the rows of this batch
+                row["stalls"] = builders[row["mode"] == "graph"].stalls - stalls[row["mode"] == "graph"]
     if device.type == "cuda":
         torch.cuda.synchronize()
     common.print_table(rows, ["kind", "requests", "tokens", "mode", "sort", "median_us", "p99_us",
                               "naive_median_us", "speedup", "stalls", "target_us", "target_met"])
     print(f"device: {common.device_name()}; builder capacity {MAX_SEGMENTS} requests / {MAX_TOKENS} tokens; "
-          f"{reps} builds per row (baseline {reps // 2})")
+          f"{reps} builds per row, the 5 variants of a batch timed in 5 interleaved rounds")
     prims = primitives(device, reps)
     common.print_table(prims, ["call", "median_us", "p99_us"])
     common.write_jsonl(args.json, rows + prims)

@@ -101,6 +101,34 @@ def time_host_us(fn: Callable[[], object], warmup: int = 50, reps: int = 2000) -
             "mean_us": sum(samples) / len(samples) / 1e3}
 
 
+def time_host_interleaved_us(fns: dict[str, Callable[[], object]], reps: int = 2000, rounds: int = 5,
+                             warmup: int = 50) -> dict[str, dict]:
+    """`time_host_us` for several variants of one task, measured in `rounds` interleaved rounds (reps/rounds
+    calls of each per round) and pooled, so that a slow phase of the machine lands on all variants alike
+    rather than on whichever ran then. Returns {name: {"median_us", "p99_us", "mean_us"}}."""
+    import time
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    clock = time.perf_counter_ns
+    samples = {name: [] for name in fns}
+    per_round = max(reps // rounds, 1)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out = samples[name]
+            for _ in range(per_round):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+    result = {}
+    for name, xs in samples.items():
+        xs.sort()
+        p99 = xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+        result[name] = {"median_us": xs[len(xs) // 2] / 1e3, "p99_us": p99 / 1e3, "mean_us": sum(xs) / len(xs) / 1e3}
+    return result
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()

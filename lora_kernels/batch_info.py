@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+_SEQ = (list, tuple)
 # The ufunc reductions directly: ndarray.min/max add a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
 # The current stream as a raw handle: a dict key, cheaper than building a torch Stream per build.
@@ -185,7 +186,7 @@ class BatchInfoBuilder:
     @staticmethod
     def _fill(dst: np.ndarray, values, name: str) -> None:
         """dst[:] = values (host ints); numpy arrays/tensors of wider ints are range-checked, not wrapped."""
-        if isinstance(values, (np.ndarray, torch.Tensor)):
+        if type(values) not in _SEQ and isinstance(values, (np.ndarray, torch.Tensor)):
             a = values.numpy() if isinstance(values, torch.Tensor) else values
             if a.dtype.kind not in "iu":
                 raise ValueError(f"{name} must hold integers, got {tuple(a.shape)} {a.dtype}")
@@ -198,7 +199,8 @@ class BatchInfoBuilder:
             raise ValueError(f"{name} holds values outside int32") from None
 
     def _write_requests(self, w: np.ndarray, c: np.ndarray, seg_token_counts, slots) -> tuple[int, bool]:
-        """w[:] = slots, c[:] = counts, both checked on the host; returns (max count, every count is 1)."""
+        """w[:] = slots and c[:] = counts, both checked on the host; returns (max count, every count is 1).
+        When every count is 1, c is left unwritten (graph-mode decode does not need it)."""
         self._fill(w, slots, "slots")
         if w.size and (_min(w) < -1 or _max(w) >= self.num_slots):
             bad = int(w[(w < -1) | (w >= self.num_slots)][0])
@@ -207,8 +209,7 @@ class BatchInfoBuilder:
         if not n:
             return 0, False
         # Decode batches arrive as lists of 1s: list.count is one C loop, no conversion, nothing to check.
-        if type(seg_token_counts) in (list, tuple) and seg_token_counts.count(1) == n:
-            c.fill(1)
+        if type(seg_token_counts) in _SEQ and seg_token_counts.count(1) == n:
             return 1, True
         self._fill(c, seg_token_counts, "seg_token_counts")
         cmin, cmax = int(_min(c)), int(_max(c))
@@ -218,20 +219,23 @@ class BatchInfoBuilder:
             raise ValueError(f"{cmax} tokens exceed max_tokens={self.max_tokens}")
         return cmax, cmin == 1 and cmax == 1
 
-    def _prefix_sum(self, lens: np.ndarray, indptr: np.ndarray) -> int:
-        """indptr[0] = 0, indptr[1:] = cumsum(lens); returns the total after checking it against max_tokens."""
+    def _prefix_sum(self, lens: np.ndarray, indptr: np.ndarray, n: int) -> int:
+        """indptr[0] = 0, indptr[1:n+1] = cumsum(lens[:n]), the rest = the total (empty tail segments);
+        returns the total after checking it against max_tokens."""
         indptr[0] = 0
-        if self._cumsum_safe:
-            np.cumsum(lens, dtype=np.int32, out=indptr[1:])
-            total = int(indptr[-1])
-        else:
-            acc = self._scratch64[:lens.size]
-            np.cumsum(lens, out=acc)
-            total = int(acc[-1]) if lens.size else 0
+        total = 0
+        if n and self._cumsum_safe:
+            np.cumsum(lens[:n], dtype=np.int32, out=indptr[1:n + 1])
+            total = int(indptr[n])
+        elif n:
+            acc = self._scratch64[:n]
+            np.cumsum(lens[:n], out=acc)
+            total = int(acc[-1])
             if total <= self.max_tokens:
-                indptr[1:] = acc
+                indptr[1:n + 1] = acc
         if total > self.max_tokens:
             raise ValueError(f"{total} tokens exceed max_tokens={self.max_tokens}")
+        indptr[n + 1:] = total
         return total
 
     # ------------------------------------------------------------------ build
@@ -241,10 +245,11 @@ class BatchInfoBuilder:
         """Metadata for one batch: request i owns the next `seg_token_counts[i]` rows of x and uses slot
         `slots[i]` (-1 = no LoRA). Host-side work and one non-blocking copy; never waits for the GPU
         (unless the staging ring is exhausted, see `stalls`)."""
-        for name, v in (("seg_token_counts", seg_token_counts), ("slots", slots)):
-            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                raise ValueError(f"{name} must be host ints (reading a {v.device} tensor would sync), got "
-                                 f"{tuple(v.shape)} {v.dtype} on {v.device}")
+        if type(slots) not in _SEQ or type(seg_token_counts) not in _SEQ:
+            for name, v in (("seg_token_counts", seg_token_counts), ("slots", slots)):
+                if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                    raise ValueError(f"{name} must be host ints (reading a {v.device} tensor would sync), got "
+                                     f"{tuple(v.shape)} {v.dtype} on {v.device}")
         n = len(slots)
         if len(seg_token_counts) != n:
             raise ValueError(f"seg_token_counts has {len(seg_token_counts)} entries but slots has {n}")
@@ -258,18 +263,22 @@ class BatchInfoBuilder:
             S = self.max_segments
             _, decode = self._write_requests(rec[:n], rec[S:S + n], seg_token_counts, slots)
             rec[n:S] = -1
-            if decode and n <= self._dec_rows:  # seg_lens/seg_indptr precomputed: copy weight_indices only
-                self._copy(st, S, self._g_dst[S])
-                return self._info(self._g_wi, self._dec_lens, self._dec_indptr, None, n, 1, self._dec_rows)
+            if decode:
+                if n <= self._dec_rows:  # seg_lens/seg_indptr precomputed: copy weight_indices only
+                    self._copy(st, S, self._g_dst[S])
+                    return self._info(self._g_wi, self._dec_lens, self._dec_indptr, None, n, 1, self._dec_rows)
+                rec[S:S + n] = 1  # more rows than max_tokens: the general path reports it
             rec[S + n:2 * S] = 0
-            total = self._prefix_sum(rec[S:2 * S], rec[2 * S:3 * S + 1])
+            total = self._prefix_sum(rec[S:2 * S], rec[2 * S:3 * S + 1], n)
             self._copy(st, 3 * S + 1, self._g_dst[3 * S + 1])
             return self._info(self._g_wi, self._g_lens, self._g_indptr, None, n, self.max_tokens, total)
         cap = max(n, 1)
-        cmax, _ = self._write_requests(rec[:n], rec[cap:cap + n], seg_token_counts, slots)
+        cmax, decode = self._write_requests(rec[:n], rec[cap:cap + n], seg_token_counts, slots)
+        if decode:
+            rec[cap:cap + n] = 1
         if not n:
             rec[0], rec[1] = -1, 0
-        total = self._prefix_sum(rec[cap:2 * cap], rec[2 * cap:3 * cap + 1])
+        total = self._prefix_sum(rec[cap:2 * cap], rec[2 * cap:3 * cap + 1], n)
         dev = self._copy(st, 3 * cap + 1, None)
         wi, lens, indptr = dev.split_with_sizes((cap, cap, cap + 1))
         return self._info(wi, lens, indptr, None, n, cmax, total)
@@ -280,7 +289,8 @@ class BatchInfoBuilder:
         rec = st.array
         S, T = self.max_segments, self.max_tokens
         w, c = self._req_slots[:n], self._req_counts[:n]
-        self._write_requests(w, c, seg_token_counts, slots)
+        if self._write_requests(w, c, seg_token_counts, slots)[1]:
+            c.fill(1)
         total = int(c.sum(dtype=np.int64)) if n else 0
         if total > T:
             raise ValueError(f"{total} tokens exceed max_tokens={T}")

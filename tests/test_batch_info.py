@@ -439,8 +439,19 @@ def test_profile_analysis_counts_syncs_only_inside_batch_prep():
     ]
     clean = torch_profile.analyze({"traceEvents": events})
     assert (clean["prep_ranges"], clean["calls_in_prep"], clean["syncs"]) == (1, 2, 0)
-    assert (clean["gaps"], clean["idle_total"], clean["prep_gap_median"]) == (2, 41, 40)
+    assert (clean["gaps"], clean["idle_total"], clean["prep_bubble_median"], clean["prep_median"]) == (2, 41, 40, 20)
     dirty = torch_profile.analyze({"traceEvents": events + [
         x("cuda_runtime", "cudaStreamSynchronize", 30, 1), x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 28, 1,
                                                               tid=7, correlation=5)]})
     assert dirty["syncs"] == 2 and dirty["sync_names"] == {"cudaStreamSynchronize": 1, "cudaMemcpyAsync": 1}
+    assert dirty["prep_bubble_median"] == 39  # the copy's 1 us of GPU work inside the bubble is not idle
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_more_segments_than_tokens(cuda_graph):
+    builder = BatchInfoBuilder(4, 8, *pool(), cuda_graph=cuda_graph)
+    for counts, slots in [([1, 1, 1], [0, 1, -1]), ([1] * 4, [2] * 4), ([2, 0, 0, 0, 0, 1], [1, 2, 3, 4, 0, 1])]:
+        for sort in (False, True):
+            check_info(builder, builder.build(counts, slots, sort_by_adapter=sort), counts, slots, sort)
+    with pytest.raises(ValueError, match=r"6 tokens exceed max_tokens=4"):
+        builder.build([1] * 6, [0] * 6)

@@ -33,25 +33,41 @@ def calls_in_ranges(ranges: list[tuple[float, float]], calls: list[tuple[float, 
     return out
 
 
-def gap_stats(ops: list[tuple[float, float]], ranges: list[tuple[float, float]]) -> dict:
-    """GPU idle time between consecutive GPU operations (any stream), in the units given: the total, the
-    median and largest gap, and the median idle gap that spans a batch-preparation range (the GPU waiting
-    for the host to prepare the next batch)."""
+def gap_stats(ops: list[tuple[float, float]], ranges: list[tuple[float, float]],
+              kernels: list[tuple[float, float]] | None = None) -> dict:
+    """GPU idle time between consecutive GPU operations (any stream), in the units given: total, median and
+    largest gap; and, per batch-preparation range, the idle time from the GPU's last operation before the
+    range to the first kernel that starts after it, less any GPU work in between (the bubble a step's
+    preparation and launch leave on the GPU), with the preparation ranges' own median length."""
     ops = sorted(ops)
-    gaps = []  # (idle start, idle end)
+    gaps = []
     busy_until = ops[0][1] if ops else 0.0
+    prefix_end = [busy_until]  # latest end among ops[:i+1]
     for start, end in ops[1:]:
         if start > busy_until:
-            gaps.append((busy_until, start))
+            gaps.append(start - busy_until)
         busy_until = max(busy_until, end)
-    spanning = []
+        prefix_end.append(busy_until)
+    starts = [o[0] for o in ops]
+    kstarts = sorted(k[0] for k in (ops if kernels is None else kernels))
+    bubbles = []
     for r0, r1 in ranges:
-        for g0, g1 in gaps:
-            if g0 <= r1 and g1 >= r0:  # the idle period overlaps this preparation
-                spanning.append(g1 - g0)
+        i = bisect.bisect_left(starts, r0)
+        j = bisect.bisect_left(kstarts, r1)
+        if i == 0 or j == len(kstarts):
+            continue
+        a, b = prefix_end[i - 1], kstarts[j]
+        busy, covered = 0.0, a
+        for start, end in ops[i:]:
+            if start >= b:
                 break
-    lengths = [g1 - g0 for g0, g1 in gaps]
-    return {"gpu_ops": len(ops), "gaps": len(gaps), "idle_total": sum(lengths),
+            lo, hi = max(start, covered), min(end, b)
+            if hi > lo:
+                busy += hi - lo
+                covered = hi
+        bubbles.append(max(b - a - busy, 0.0))
+    return {"gpu_ops": len(ops), "gaps": len(gaps), "idle_total": sum(gaps),
             "window": (busy_until - ops[0][0]) if ops else 0.0,
-            "gap_median": statistics.median(lengths) if lengths else 0.0, "gap_max": max(lengths, default=0.0),
-            "prep_gap_median": statistics.median(spanning) if spanning else 0.0, "prep_gaps": len(spanning)}
+            "gap_median": statistics.median(gaps) if gaps else 0.0, "gap_max": max(gaps, default=0.0),
+            "prep_bubble_median": statistics.median(bubbles) if bubbles else 0.0, "prep_bubbles": len(bubbles),
+            "prep_median": statistics.median(r1 - r0 for r0, r1 in ranges) if ranges else 0.0}

@@ -46,13 +46,16 @@ def main(path: str) -> int:
     gpu = []
     for table in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET"):
         gpu += rows(db, f"SELECT start, end FROM {table}")
+    kernels = rows(db, "SELECT start, end FROM CUPTI_ACTIVITY_KIND_KERNEL")
     all_prep = [r for ranges in prep.values() for r in ranges]
-    g = analysis.gap_stats([(s / 1e3, e / 1e3) for s, e in gpu], [(s / 1e3, e / 1e3) for s, e in all_prep])
+    us = lambda xs: [(s / 1e3, e / 1e3) for s, e in xs]  # noqa: E731  (nsys times are ns)
+    g = analysis.gap_stats(us(gpu), us(all_prep), us(kernels))
     print(f"batch-prep ranges: {len(all_prep)}; CUDA calls inside them: {len(inside)}")
     print(f"synchronizing calls in batch preparation: {sum(syncs.values())} {dict(syncs) or ''}")
     print(f"GPU: {g['gpu_ops']} ops, idle {g['idle_total']:.0f} us of {g['window']:.0f} us in {g['gaps']} gaps "
-          f"(median {g['gap_median']:.1f} us, max {g['gap_max']:.1f} us); idle gap across a batch preparation: "
-          f"median {g['prep_gap_median']:.1f} us over {g['prep_gaps']} steps")
+          f"(median {g['gap_median']:.1f} us, max {g['gap_max']:.1f} us); per step, batch-prep range "
+          f"median {g['prep_median']:.1f} us, GPU bubble from the previous step's last op to this step's first "
+          f"kernel median {g['prep_bubble_median']:.1f} us ({g['prep_bubbles']} steps)")
     if not all_prep or not inside:
         print("FAIL: no batch-prep range with CUDA calls inside; cannot verify")
         return 2

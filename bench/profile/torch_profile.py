@@ -49,9 +49,10 @@ def analyze(trace: dict) -> dict:
     syncs = [e["name"] for e in inside
              if analysis.is_sync_call(e["name"]) or e.get("args", {}).get("correlation") in d2h]
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATS]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
     return {"prep_ranges": len(steps_ranges), "calls_in_prep": len(inside),
             "call_names_in_prep": dict(Counter(e["name"] for e in inside)), "syncs": len(syncs),
-            "sync_names": dict(Counter(syncs)), **analysis.gap_stats(gpu, steps_ranges)}
+            "sync_names": dict(Counter(syncs)), **analysis.gap_stats(gpu, steps_ranges, kernels)}
 
 
 def main() -> int:
@@ -66,11 +67,11 @@ def main() -> int:
     name = "baseline" if args.baseline else ("graph" if args.graph else "eager")
     p = workload.make_problem()
     loop = workload.Loop(p, args.baseline, args.graph)
-    steps = workload.schedule(args.steps + 4, p)
-    workload.warm_up(loop, steps[:4])
+    steps = workload.schedule(args.steps, p)
+    workload.warm_up(loop, steps)  # every step once unrecorded: no compilation inside the trace
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        workload.measure(loop, steps[4:], workload.Ranges(True, False))
+        workload.measure(loop, steps, workload.Ranges(True, False))
     path = args.out / f"torch_trace_{name}.json"
     prof.export_chrome_trace(str(path))
     r = analyze(json.loads(path.read_text()))
@@ -79,8 +80,9 @@ def main() -> int:
           f"{r['call_names_in_prep']}")
     print(f"synchronizing calls in batch preparation: {r['syncs']} {r['sync_names'] or ''}")
     print(f"GPU: {r['gpu_ops']} ops, idle {r['idle_total']:.0f} us of {r['window']:.0f} us in {r['gaps']} gaps "
-          f"(median {r['gap_median']:.1f} us, max {r['gap_max']:.1f} us); idle gap across a batch preparation: "
-          f"median {r['prep_gap_median']:.1f} us over {r['prep_gaps']} steps")
+          f"(median {r['gap_median']:.1f} us, max {r['gap_max']:.1f} us); per step, batch-prep range "
+          f"median {r['prep_median']:.1f} us, GPU bubble from the previous step's last op to this step's first "
+          f"kernel median {r['prep_bubble_median']:.1f} us ({r['prep_bubbles']} steps)")
     if not args.baseline:
         print(f"builder: {loop.builder.builds} builds, {loop.builder.stalls} stalls")
     (args.out / f"torch_profile_{name}.json").write_text(json.dumps(r, indent=1))

@@ -7,8 +7,8 @@ ahead of the GPU and the next batch's preparation shows up as GPU idle time). St
 decode, mixed (chunked prefill + decodes). In --graph mode the builder keeps static buffers and the
 decode steps replay one captured CUDA graph.
 
-Run directly (what nsys_profile.sh profiles): NVTX ranges and torch.cuda.profiler.start/stop around the
-measured steps, for `nsys profile --capture-range=cudaProfilerApi`.
+The steps run once unrecorded (kernel compilation), then again recorded. Run directly (what
+nsys_profile.sh profiles): NVTX ranges and torch.cuda.profiler.start/stop around the recorded steps, for `nsys profile --capture-range=cudaProfilerApi`.
 
     python bench/profile/workload.py [--steps 40] [--baseline] [--graph]
 """
@@ -142,11 +142,11 @@ class Loop:
             return float(self.p.out[0, 0].item())  # the engine's per-step read-back (a sync by design)
 
 
-def warm_up(loop: Loop, steps, n: int = 4) -> None:
-    """Graph capture (graph mode) and a few unrecorded steps: compilation, autotuning, allocator."""
+def warm_up(loop: Loop, steps) -> None:
+    """Graph capture (graph mode) and the steps once unrecorded: kernel compilation, allocator."""
     if loop.graph_mode:
         loop.capture(*next(s for s in steps if all(c == 1 for c in s[0])))
-    for counts, slots in steps[:n]:
+    for counts, slots in steps:
         loop.step(counts, slots, Ranges(False, False))
     torch.cuda.synchronize()
 
@@ -163,7 +163,7 @@ def measure(loop: Loop, steps, ranges, cuda_profiler_api: bool = False) -> None:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--steps", type=int, default=40, help="recorded steps (after 4 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=40, help="recorded steps (run once before, unrecorded)")
     ap.add_argument("--baseline", action="store_true", help="prepare batches with naive_build (syncs)")
     ap.add_argument("--graph", action="store_true", help="graph-mode builder; decode steps replay a CUDA graph")
 
@@ -177,9 +177,9 @@ def main() -> int:
         return 2
     p = make_problem()
     loop = Loop(p, args.baseline, args.graph)
-    steps = schedule(args.steps + 4, p)
-    warm_up(loop, steps[:4])
-    measure(loop, steps[4:], Ranges(False, True), cuda_profiler_api=True)
+    steps = schedule(args.steps, p)
+    warm_up(loop, steps)
+    measure(loop, steps, Ranges(False, True), cuda_profiler_api=True)
     print(f"ran {args.steps} steps; builder stalls: {loop.builder.stalls}")
     return 0
 
