@@ -8,7 +8,8 @@ decode, mixed (chunked prefill + decodes). In --graph mode the builder keeps sta
 decode steps replay one captured CUDA graph.
 
 The steps run once unrecorded (kernel compilation), then again recorded. Run directly (what
-nsys_profile.sh profiles): NVTX ranges and torch.cuda.profiler.start/stop around the recorded steps, for `nsys profile --capture-range=cudaProfilerApi`.
+nsys_profile.sh profiles): NVTX ranges, and torch.cuda.profiler.start/stop around the recorded steps
+for `nsys profile --capture-range=cudaProfilerApi`.
 
     python bench/profile/workload.py [--steps 40] [--baseline] [--graph]
 """
