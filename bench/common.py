@@ -129,6 +129,34 @@ def time_host_interleaved_us(fns: dict[str, Callable[[], object]], reps: int = 2
     return result
 
 
+def time_span_us(fn: Callable[[], object], stream: torch.cuda.Stream | None = None, warmup: int = 2,
+                 reps: int = 10, hold_cycles: int = 0) -> dict:
+    """{"gpu_us", "wall_us"} medians for work fn() enqueues on `stream` (default: current): GPU time
+    between events recorded on that stream around it, and host wall time from the call until the GPU
+    finished (synchronized before and after each rep). For transfers, where the host's part counts too.
+    hold_cycles > 0 first parks the stream in a GPU sleep, so that fn() is fully enqueued before the
+    start event runs: gpu_us is then the device time alone (wall_us then includes the sleep)."""
+    import time
+
+    stream = stream or torch.cuda.current_stream()
+    gpu, wall = [], []
+    for i in range(warmup + reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        if hold_cycles:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(hold_cycles)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            wall.append((time.perf_counter() - t0) * 1e6)
+            gpu.append(start.elapsed_time(end) * 1e3)
+    return {"gpu_us": statistics.median(gpu), "wall_us": statistics.median(wall)}
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()

@@ -75,18 +75,20 @@ class AdapterWeights:
 
     @classmethod
     def random(cls, spec: ModelSpec, rank: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-               groups: tuple[str, ...] | None = None, scaling: float = 2.0, std: float = 0.05) -> "AdapterWeights":
-        """A random adapter targeting `groups` (default: all) of every layer; for tests and benchmarks."""
-        gen = torch.Generator().manual_seed(seed)
+               groups: tuple[str, ...] | None = None, scaling: float = 2.0, std: float = 0.05,
+               device: str = "cpu") -> "AdapterWeights":
+        """A random adapter targeting `groups` (default: all) of every layer, host tensors; for tests and
+        benchmarks (`device="cuda"` draws the numbers there, faster for Llama-sized adapters)."""
+        gen = torch.Generator(device).manual_seed(seed)
         w = cls(spec, rank, scaling, name=f"random-r{rank}-s{seed}")
         for layer in range(spec.layers):
             for g in spec.groups:
                 if groups is not None and g.name not in groups:
                     continue
-                a = torch.randn(g.num_slices * rank, g.in_dim, generator=gen) * std
-                b = torch.randn(g.out_total, rank, generator=gen) * std
-                w.lora_a[(layer, g.name)] = a.to(dtype)
-                w.lora_b[(layer, g.name)] = b.to(dtype)
+                a = torch.randn(g.num_slices * rank, g.in_dim, generator=gen, device=device) * std
+                b = torch.randn(g.out_total, rank, generator=gen, device=device) * std
+                w.lora_a[(layer, g.name)] = a.to(dtype).cpu()
+                w.lora_b[(layer, g.name)] = b.to(dtype).cpu()
         return w
 
 
