@@ -1,5 +1,5 @@
 """`lora-kernels` command line: `demo` (one multi-LoRA batch on the best backend, checked against
-the reference)."""
+the reference) and `serve-sim` (a serving trace under three adapter-loading policies)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import torch
 
 from lora_kernels import BatchInfoBuilder, apply_lora, reference, resolve_backend
+from lora_kernels.serve_sim import cli as serve_sim_cli
 
 
 def _time_us(fn, device: torch.device, reps: int = 20) -> float:
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=demo)
+    serve_sim_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,210 @@
+"""Continuous batching with chunked prefill and decode, and the three adapter-loading policies.
+
+Each step (decided at simulated time `now`, when the previous step has finished):
+
+1. Running requests: every decoding request adds one token; requests still in prefill add their next
+   prompt chunk if it fits the step's token budget. Chunk boundaries are fixed per request (multiples
+   of `chunk`), so a request's rows are cut the same way under every policy.
+2. Waiting requests, first come first served, join while the running count and token budget allow.
+   A request whose adapter is not usable now:
+     blocking          its adapter is loaded on demand and the whole step waits for the copy;
+     overlap           its adapter is loaded on demand (side stream) and it keeps waiting; requests
+                       behind it that are ready go ahead; it joins the first step after the load is
+                       ready (the overlap rule, `prefetch.split_ready`);
+     overlap+prefetch  as overlap, and adapters of requests further back in the queue are loaded
+                       ahead (`prefetch.plan_prefetch`, at most `max_prefetch` loads in flight).
+   A request whose adapter has no slot (all held by running or nearer requests) waits under every
+   policy; requests behind it may go ahead.
+   "On demand" means: the requests this step would admit if every adapter were resident.
+
+The scheduler only decides; `AdapterState` is its view of the pool in simulated time (which adapters
+hold a slot and when each load is ready). The simulator issues the chosen loads through the real
+`AdapterLoader` and advances the clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from lora_kernels.adapters.prefetch import plan_prefetch
+from lora_kernels.serve_sim.trace import Request
+
+POLICIES = ("blocking", "overlap", "overlap+prefetch")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str
+    num_slots: int
+    max_running: int = 32
+    max_batch_tokens: int = 2048
+    chunk: int = 512
+    max_prefetch: int = 4
+    lookahead: int | None = None  # waiting requests the prefetcher looks at (None: all)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("num_slots", "max_running", "max_batch_tokens", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch_tokens < self.chunk:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= chunk={self.chunk} "
+                             f"(a prompt chunk must fit a step)")
+        if self.max_prefetch < 0:
+            raise ValueError(f"max_prefetch must be >= 0, got {self.max_prefetch}")
+
+
+@dataclass
+class RequestState:
+    req: Request
+    pos: int = 0  # positions processed so far
+    produced: int = 0  # output tokens produced so far
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def adapter(self):
+        return self.req.adapter
+
+    def next_tokens(self, chunk: int) -> int:
+        if self.pos < self.req.prompt_len:
+            return min(chunk, self.req.prompt_len - self.pos)
+        return 1
+
+
+class AdapterState:
+    """The scheduler's view of the slot pool in simulated time: resident adapters, when each one's load
+    is (or was) ready (None: issued, duration not measured yet), and recency of use."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.ready_at: dict = {}
+        self.lru: OrderedDict = OrderedDict()
+
+    def is_ready(self, a, now: float) -> bool:
+        t = self.ready_at.get(a, float("inf"))
+        return t is not None and t <= now
+
+    def loading(self, now: float) -> set:
+        return {a for a, t in self.ready_at.items() if t is None or t > now}
+
+    def start_load(self, a, victim) -> None:
+        if victim is not None:
+            del self.ready_at[victim]
+            self.lru.pop(victim, None)
+        if len(self.ready_at) >= self.num_slots:
+            raise RuntimeError(f"load of {a!r} without a free slot ({len(self.ready_at)} resident)")
+        self.ready_at[a] = None
+        self.lru[a] = True
+
+    def touch(self, adapters) -> None:
+        for a in adapters:
+            if a is not None:
+                self.lru[a] = True
+                self.lru.move_to_end(a)
+
+
+@dataclass
+class StepPlan:
+    batch: list[tuple[RequestState, int]] = field(default_factory=list)  # (request, rows) in row order
+    loads: list[tuple[object, object]] = field(default_factory=list)  # (adapter, victim or None)
+    waits_on_load: bool = False  # a waiting request is held back only by a load in flight
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.batch)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.waiting: list[RequestState] = []
+        self.running: list[RequestState] = []
+
+    def add(self, r: RequestState) -> None:
+        self.waiting.append(r)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _try_load(self, i: int, in_use: set, cache: AdapterState, now: float, plan: StepPlan) -> bool:
+        """Plans the load of waiting[i]'s adapter now (on demand); False if no slot can be freed for it."""
+        p = plan_prefetch([r.adapter for r in self.waiting[i:]], resident=cache.ready_at.keys(),
+                          loading=cache.loading(now), in_use=in_use, num_slots=cache.num_slots,
+                          lru=list(cache.lru), horizon=1)
+        for a, v in p:
+            cache.start_load(a, v)
+            plan.loads.append((a, v))
+        return bool(p.loads)
+
+    def schedule(self, now: float, cache: AdapterState) -> StepPlan:
+        cfg, plan = self.cfg, StepPlan()
+        budget = cfg.max_batch_tokens
+        for r in sorted(self.running, key=lambda r: r.pos < r.req.prompt_len):  # decodes first (stable)
+            n = r.next_tokens(cfg.chunk)
+            if n <= budget:
+                plan.batch.append((r, n))
+                budget -= n
+        in_use = {r.adapter for r in self.running if r.adapter is not None}
+        blocking = cfg.policy == "blocking"
+        seats = cfg.max_running - len(self.running)
+        virt_budget, virt_seats = budget, seats  # as if every adapter were resident: bounds on-demand loads
+        admitted: list[int] = []
+        for i, r in enumerate(self.waiting):
+            n = r.next_tokens(cfg.chunk)
+            if n > budget or seats == 0:
+                break
+            on_demand = n <= virt_budget and virt_seats > 0
+            if on_demand:
+                virt_budget, virt_seats = virt_budget - n, virt_seats - 1
+            a = r.adapter
+            ok = a is None or cache.is_ready(a, now)
+            if not ok and a in cache.ready_at:
+                # Loading. Blocking: a load issued earlier in this step, which the step waits for
+                # anyway. Overlap: the overlap rule keeps the request waiting.
+                ok = blocking
+                plan.waits_on_load |= not blocking
+            elif not ok and on_demand:
+                ok = self._try_load(i, in_use, cache, now, plan) and blocking
+                plan.waits_on_load |= not blocking and a in cache.ready_at
+            if ok:
+                admitted.append(i)
+                plan.batch.append((r, n))
+                budget, seats = budget - n, seats - 1
+                if a is not None:
+                    in_use.add(a)
+        for i in reversed(admitted):
+            r = self.waiting.pop(i)
+            r.admitted_at = now
+            self.running.append(r)
+        if cfg.policy == "overlap+prefetch" and self.waiting:
+            waiting = self.waiting if cfg.lookahead is None else self.waiting[: cfg.lookahead]
+            p = plan_prefetch([r.adapter for r in waiting], resident=cache.ready_at.keys(),
+                              loading=cache.loading(now), in_use=in_use, num_slots=cache.num_slots,
+                              lru=list(cache.lru), max_inflight=cfg.max_prefetch)
+            for a, v in p:
+                cache.start_load(a, v)
+                plan.loads.append((a, v))
+                plan.waits_on_load = True
+        cache.touch(r.adapter for r, _ in plan.batch)
+        return plan
+
+    def complete(self, plan: StepPlan, t_end: float) -> list[RequestState]:
+        """Advances every request of `plan` by its rows at simulated time t_end; returns those finished."""
+        finished = []
+        for r, n in plan.batch:
+            r.pos += n
+            if r.pos >= r.req.prompt_len:  # the step computed the logits of the last processed position
+                r.produced += 1
+                if r.first_token_at is None:
+                    r.first_token_at = t_end
+                if r.produced >= r.req.output_len:
+                    r.finished_at = t_end
+                    finished.append(r)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+        return finished

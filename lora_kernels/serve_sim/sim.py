@@ -1,0 +1,134 @@
+"""The serving-trace replay: a simulated clock driven by measured step and copy times.
+
+The clock (documented in bench/RESULTS.md and the CLI output):
+- Compute: each step really runs (every base GEMM and `apply_lora` of the model's layers) and the
+  clock advances by its measured time: CUDA events around the step's GPU work on a GPU (the host
+  queues the whole step before the GPU starts it, so host launch overhead is not counted), the
+  thread's CPU time on the CPU. Host batch preparation (scheduling, `BatchInfoBuilder.build`, `acquire`) is measured
+  and reported apart, off the clock: it models an engine that prepares step n+1 while step n runs.
+- Copies: each adapter load really runs on the loader's stream; its measured duration (CUDA events on
+  that stream; CPU time of the synchronous copy on the CPU) is placed on a single simulated copy engine, FIFO, starting when
+  the scheduler issued it. A load is ready at start + duration; the scheduler sees it ready at the first
+  step boundary after that.
+- blocking: a step that needs a load starts when the load is ready; the wait is "GPU stalled on loads".
+  overlap policies: steps never wait for loads; time the GPU idles while the only runnable requests
+  wait for their adapters is counted as stalled on loads too.
+- Arrivals follow the trace; when nothing can run the clock jumps to the next arrival or load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from lora_kernels.serve_sim.scheduler import AdapterState, RequestState, Scheduler, SchedulerConfig, StepPlan
+from lora_kernels.serve_sim.trace import Request
+
+
+@dataclass
+class StepTiming:
+    compute_s: float  # measured time of the step's model work (the clock advances by it)
+    prep_s: float  # host batch-preparation time (reported, off the clock)
+
+
+class Engine(Protocol):
+    """What the simulator needs from the model + adapter machinery (`engine.ModelEngine`)."""
+
+    def reset(self) -> None: ...  # empty pool, counters zeroed: every policy starts cold
+
+    def issue_load(self, adapter, victim) -> object: ...  # starts a real load; returns a handle
+
+    def load_seconds(self, handle) -> float: ...  # measured copy time of a load (waits for it)
+
+    def run_step(self, plan: StepPlan) -> StepTiming: ...
+
+
+@dataclass
+class SimResult:
+    policy: str
+    requests: list[RequestState]
+    steps: int = 0
+    loads: int = 0
+    evictions: int = 0
+    stall_s: float = 0.0  # GPU time stalled on loads: in-step waits (blocking) + idle while work waits on loads
+    step_stall_s: float = 0.0  # the in-step part alone
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    prep_s: float = 0.0
+    tokens: int = 0  # rows processed (prompt + decode)
+    wall_s: float = 0.0
+    # (lane, start, end, kind): lane "compute" kind prefill|decode|stall, lane "copy" kind load
+    timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max(r.finished_at for r in self.requests) - min(r.req.arrival for r in self.requests)
+
+
+def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
+             progress: Callable[[int, int], None] | None = None) -> SimResult:
+    """Replays `trace` under `cfg.policy` through `engine`; every request runs to completion."""
+    engine.reset()
+    sched = Scheduler(cfg)
+    cache = AdapterState(cfg.num_slots)
+    states = [RequestState(r) for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
+    res = SimResult(cfg.policy, states)
+    pending: dict = {}  # adapter -> (handle, issue time) of loads whose duration is not yet known
+    now, copy_free, nxt, done = 0.0, 0.0, 0, 0
+    wall0 = time.perf_counter()
+
+    def settle_loads():
+        nonlocal copy_free
+        for a, (handle, issued) in pending.items():
+            start = max(issued, copy_free)
+            copy_free = start + engine.load_seconds(handle)
+            cache.ready_at[a] = copy_free
+            res.timeline.append(("copy", start, copy_free, "load"))
+        pending.clear()
+
+    while done < len(states):
+        while nxt < len(states) and states[nxt].req.arrival <= now:
+            sched.add(states[nxt])
+            nxt += 1
+        t0 = time.perf_counter()
+        plan = sched.schedule(now, cache)
+        res.prep_s += time.perf_counter() - t0
+        for a, v in plan.loads:
+            pending[a] = (engine.issue_load(a, v), now)
+            res.loads += 1
+            res.evictions += v is not None
+        if not plan.batch:
+            settle_loads()
+            waits = [t for a, t in cache.ready_at.items() if t > now]
+            nexts = waits + ([states[nxt].req.arrival] if nxt < len(states) else [])
+            if not nexts:
+                raise RuntimeError(f"scheduler stalled at t={now:.6f}s with {len(sched.waiting)} waiting, "
+                                   f"{len(sched.running)} running and nothing in flight")
+            t = max(min(nexts), now)
+            res.idle_s += t - now
+            if plan.waits_on_load:
+                res.stall_s += t - now
+                res.timeline.append(("compute", now, t, "stall"))
+            now = t
+            continue
+        timing = engine.run_step(plan)
+        settle_loads()
+        res.prep_s += timing.prep_s
+        start = max([now] + [cache.ready_at[r.adapter] for r, _ in plan.batch if r.adapter is not None])
+        if start > now:
+            res.stall_s += start - now
+            res.step_stall_s += start - now
+            res.timeline.append(("compute", now, start, "stall"))
+        end = start + timing.compute_s
+        prefill = any(r.pos < r.req.prompt_len for r, _ in plan.batch)
+        res.timeline.append(("compute", start, end, "prefill" if prefill else "decode"))
+        res.busy_s += timing.compute_s
+        res.steps += 1
+        res.tokens += plan.num_tokens
+        done += len(sched.complete(plan, end))
+        now = end
+        if progress is not None:
+            progress(done, len(states))
+    res.wall_s = time.perf_counter() - wall0
+    return res

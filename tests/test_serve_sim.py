@@ -1,0 +1,314 @@
+"""serve-sim: trace generator, scheduler and policies (with a scripted-cost engine), the real engine on the
+CPU (outputs identical across policies and equal to a float64 reference), and the CLI's error lines."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lora_kernels.adapters import load_peft_adapter
+from lora_kernels.serve_sim import folders
+from lora_kernels.serve_sim.run import SimConfig, compare_records, run_sim, validate
+from lora_kernels.serve_sim.scheduler import POLICIES, SchedulerConfig
+from lora_kernels.serve_sim.sim import StepTiming, simulate
+from lora_kernels.serve_sim.trace import Request, generate_trace, parse_dist, parse_range
+
+# -- trace ------------------------------------------------------------------------------------------------
+
+
+def _trace(n=200, rate=50.0, dist="uniform", adapters=8, seed=0, inp=(4, 40), out=(1, 12)):
+    return generate_trace(n, rate, dist, adapters, inp, out, vocab=100, seed=seed)
+
+
+def test_trace_is_deterministic_and_well_formed():
+    a, b = _trace(seed=3), _trace(seed=3)
+    assert [(r.arrival, r.adapter, r.prompt_len, r.output_len) for r in a] == \
+           [(r.arrival, r.adapter, r.prompt_len, r.output_len) for r in b]
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert a[0].arrival == 0.0 and all(x.arrival <= y.arrival for x, y in zip(a, a[1:]))
+    assert all(4 <= r.prompt_len <= 40 and 1 <= r.output_len <= 12 for r in a)
+    assert all(len(r.tokens) == r.prompt_len + r.output_len - 1 and r.tokens.max() < 100 for r in a)
+    gaps = np.diff([r.arrival for r in _trace(n=2000, rate=50.0)])
+    assert abs(gaps.mean() - 1 / 50) < 0.1 / 50  # Poisson at the asked rate
+    assert _trace(seed=4)[5].arrival != a[5].arrival
+
+
+def test_popularity_distributions():
+    distinct = [r.adapter for r in _trace(n=40, dist="distinct", adapters=8)]
+    assert distinct == [i % 8 for i in range(40)]
+    zipf = np.bincount([r.adapter for r in _trace(n=4000, dist="zipf:1.5", adapters=16)], minlength=16)
+    uni = np.bincount([r.adapter for r in _trace(n=4000, dist="uniform", adapters=16)], minlength=16)
+    assert zipf.max() / 4000 > 0.3 and uni.max() / 4000 < 0.1  # 1/ζ-ish head vs 1/16
+    bursty = [r.adapter for r in _trace(n=4000, dist="bursty:8", adapters=16)]
+    runs = 1 + sum(x != y for x, y in zip(bursty, bursty[1:]))
+    assert 4000 / runs > 5  # long runs on one adapter (mean 8 minus merges of equal neighbours)
+    assert all(r.adapter is None for r in _trace(dist="none"))
+
+
+@pytest.mark.parametrize("bad", ["zipf", "zipf:0", "zipf:x", "bursty:0.5", "pareto", "uniform:2"])
+def test_parse_dist_rejects(bad):
+    with pytest.raises(ValueError, match="--dist"):
+        parse_dist(bad)
+
+
+def test_parse_range():
+    assert parse_range("7", "--x") == (7, 7) and parse_range("3:9", "--x") == (3, 9)
+    for bad in ("0", "9:3", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match="--x"):
+            parse_range(bad, "--x")
+
+
+# -- scheduler and policies with a scripted-cost engine -----------------------------------------------------
+
+
+class ScriptedEngine:
+    """Step time = 1 ms + 10 us per row; load time = 0.1 ms per rank unit. Checks every invariant it can see."""
+
+    def __init__(self, ranks, cfg: SchedulerConfig):
+        self.ranks, self.cfg = ranks, cfg
+        self.log = []
+
+    def reset(self):
+        self.resident, self.next_pos, self.loads = set(), {}, []
+
+    def issue_load(self, a, v):
+        assert a not in self.resident
+        if v is not None:
+            self.resident.remove(v)
+        self.resident.add(a)
+        assert len(self.resident) <= self.cfg.num_slots
+        self.loads.append((a, v))
+        return a
+
+    def load_seconds(self, a):
+        return 1e-4 * self.ranks[a]
+
+    def run_step(self, plan):
+        assert 0 < len(plan.batch) <= self.cfg.max_running and plan.num_tokens <= self.cfg.max_batch_tokens
+        for r, n in plan.batch:
+            assert r.adapter is None or r.adapter in self.resident, "batch uses an adapter without a slot"
+            assert self.next_pos.get(r.req.rid, 0) == r.pos, "positions skipped or repeated"
+            if r.pos < r.req.prompt_len:  # fixed chunk boundaries
+                assert r.pos % self.cfg.chunk == 0 and n == min(self.cfg.chunk, r.req.prompt_len - r.pos)
+            else:
+                assert n == 1
+            self.next_pos[r.req.rid] = r.pos + n
+        self.log.append([(r.req.rid, r.adapter, n) for r, n in plan.batch])
+        return StepTiming(1e-3 + 1e-5 * plan.num_tokens, 0.0)
+
+
+def _simulate(trace, policy, ranks, **kw):
+    cfg = SchedulerConfig(policy, **{"num_slots": 3, "max_running": 4, "max_batch_tokens": 48, "chunk": 16, **kw})
+    eng = ScriptedEngine(ranks, cfg)
+    return simulate(trace, cfg, eng), eng
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dist", ["uniform", "zipf:1.2", "distinct", "bursty:4"])
+def test_policies_run_every_request_and_keep_invariants(policy, dist):
+    ranks = [1, 2, 4, 8, 3, 5, 7, 6]
+    trace = _trace(n=60, rate=400.0, dist=dist, adapters=8, seed=1)
+    res, eng = _simulate(trace, policy, ranks)
+    assert all(r.finished_at is not None and r.req.arrival <= r.first_token_at <= r.finished_at for r in res.requests)
+    assert all(eng.next_pos[r.req.rid] == r.req.num_positions for r in res.requests)
+    assert res.loads == len(eng.loads) and res.tokens == sum(r.req.num_positions for r in res.requests)
+    # A victim is never the adapter of a running request: check with the requests' admit/finish times.
+    t_load = [t for lane, t, _, _ in res.timeline if lane == "copy"]
+    assert len(t_load) == res.loads
+    if policy == "blocking":
+        assert res.step_stall_s > 0  # loads stall steps
+    else:
+        assert res.step_stall_s == 0  # the overlap rule: a step never waits for a load
+
+
+def test_victims_are_never_used_by_running_requests():
+    ranks = [1, 2, 4, 8, 3, 5, 7, 6]
+    for policy in POLICIES:
+        trace = _trace(n=80, rate=300.0, dist="uniform", adapters=8, seed=2)
+        cfg = SchedulerConfig(policy, 3, max_running=3, max_batch_tokens=48, chunk=16)
+        eng = ScriptedEngine(ranks, cfg)
+        running = {}  # rid -> adapter, maintained from the step log
+
+        orig_issue, orig_step = eng.issue_load, eng.run_step
+
+        def issue(a, v, running=running, orig=orig_issue):
+            assert v is None or v not in running.values(), f"{policy}: evicted {v}, used by a running request"
+            return orig(a, v)
+
+        def step(plan, running=running, orig=orig_step):
+            out = orig(plan)
+            for r, n in plan.batch:
+                running[r.req.rid] = r.adapter
+                if r.pos + n >= r.req.num_positions:
+                    running.pop(r.req.rid)
+            return out
+
+        eng.issue_load, eng.run_step = issue, step
+        simulate(trace, cfg, eng)
+
+
+def test_no_lora_trace_is_the_same_under_every_policy():
+    trace = _trace(n=50, rate=300.0, dist="none")
+    results = [_simulate(trace, p, [1])[0] for p in POLICIES]
+    ttfts = [[r.first_token_at for r in res.requests] for res in results]
+    assert ttfts[0] == ttfts[1] == ttfts[2] and all(res.loads == 0 for res in results)
+
+
+def test_prefetch_hides_a_queued_requests_load():
+    """Two requests, one running slot: B waits behind A. Prefetch loads B's adapter while A runs; overlap
+    and blocking load it only when B can be admitted, after A finishes."""
+    tok = np.zeros(40, dtype=np.int64)
+    trace = [Request(0, 0.0, 0, 16, 5, tok[:20]), Request(1, 0.0, 1, 16, 5, tok[:20])]
+    kw = dict(num_slots=2, max_running=1, max_batch_tokens=16, chunk=16)
+    t = {p: _simulate(trace, p, [10, 30], **kw)[0] for p in POLICIES}
+    step = 1e-3 + 16e-5
+    decode = 1e-3 + 1e-5
+    a_done = 1e-3 + step + 4 * decode  # A's load (1 ms, nothing else to run), prefill, 4 decodes
+    assert t["overlap+prefetch"].requests[1].first_token_at == pytest.approx(a_done + step)
+    assert t["overlap"].requests[1].first_token_at == pytest.approx(a_done + 3e-3 + step)  # idle while loading
+    assert t["blocking"].requests[1].first_token_at == pytest.approx(a_done + 3e-3 + step)  # stalled step
+    assert t["blocking"].step_stall_s == pytest.approx(4e-3)
+    assert t["overlap+prefetch"].stall_s == pytest.approx(1e-3)  # only A's first load (GPU idle)
+
+
+def test_scheduler_config_rejects():
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig("eager", 4)
+    with pytest.raises(ValueError, match="num_slots"):
+        SchedulerConfig("overlap", 0)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        SchedulerConfig("overlap", 4, max_batch_tokens=8, chunk=16)
+
+
+# -- the real engine on the CPU: identical outputs across policies, equal to a float64 reference -----------
+
+TINY = dict(model="tiny", layers=1, adapters=5, slots=2, ranks="4,8,16", rate=400.0, requests=14,
+            input_len="3:20", output_len="1:5", chunk=8, max_running=4, max_batch_tokens=24, device="cpu",
+            backend="torch", sample="all")
+
+
+@pytest.fixture(scope="module")
+def cpu_report(tmp_path_factory):
+    cfg = SimConfig(**TINY, dist="uniform", cache_dir=str(tmp_path_factory.mktemp("cache")))
+    return run_sim(cfg)
+
+
+def test_outputs_identical_across_policies(cpu_report):
+    chk = cpu_report.check["torch"]
+    assert chk["identical"] and chk["requests"] == 14 and chk["max_rel_diff"] == 0.0
+    assert chk["positions_compared"] == 2 * sum(r.req.num_positions for r in cpu_report.results["blocking"].requests)
+    assert all(res.loads > 0 for res in cpu_report.results.values())
+    assert cpu_report.results["blocking"].evictions > 0  # 5 adapters over 2 slots: slots were reused
+
+
+def test_recorded_lora_outputs_match_float64_reference(cpu_report):
+    """Every recorded layer-0 qkv LoRA row equals scaling·(x Aᵢᵀ)Bᵢᵀ per slice computed in float64 straight
+    from the PEFT folder (not through the pool or loader)."""
+    cfg = cpu_report.config
+    spec = cfg.spec()
+    paths = folders.ensure_adapters(spec, cfg.adapters, cfg.rank_list(), cfg.dtype, cfg.seed, folders.Path(cfg.cache_dir))
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    embed = torch.randn(4096, spec.hidden, generator=gen).double()  # ModelEngine's first draw
+    group = spec.group("qkv_proj")
+    rec = cpu_report.records["overlap+prefetch"]
+    checked = 0
+    for r in cpu_report.results["overlap+prefetch"].requests:
+        w = load_peft_adapter(paths[r.req.adapter], spec)
+        a, b = w.lora_a[(0, "qkv_proj")].double(), w.lora_b[(0, "qkv_proj")].double()
+        for pos, row in rec.rows["torch"][r.req.rid].items():
+            x = embed[int(r.req.tokens[pos])]
+            ref = torch.cat([w.scaling * (x @ a[i * w.rank:(i + 1) * w.rank].T) @ b[lo:hi].T
+                             for i, (lo, hi) in enumerate(zip(group.slice_offsets, group.slice_offsets[1:]))])
+            assert float((row.double() - ref).norm() / ref.norm()) < 1e-5
+            checked += 1
+    assert checked == sum(r.req.num_positions for r in cpu_report.results["blocking"].requests)
+
+
+def test_check_detects_a_wrong_adapter(tmp_path, monkeypatch):
+    """Fault injection: under one policy the loader gets adapter 1's weights when adapter 2 is asked for.
+    The cross-policy comparison must flag exactly the requests that use adapter 2."""
+    from lora_kernels.serve_sim import engine as engine_mod
+
+    cfg = SimConfig(**TINY, dist="uniform", cache_dir=str(tmp_path), policies=("blocking", "overlap"))
+    orig = engine_mod.ModelEngine.issue_load
+    calls = {"policy": 0}
+
+    def reset(self, _orig=engine_mod.ModelEngine.reset):
+        calls["policy"] += 1
+        return _orig(self)
+
+    def faulty(self, adapter, victim):
+        if calls["policy"] == 2 and adapter == 2:
+            self.keys[2], saved = self.keys[1], self.keys[2]
+            try:
+                self.store._packed[saved] = self.store.get(self.keys[1])
+            finally:
+                self.keys[2] = saved
+        return orig(self, adapter, victim)
+
+    monkeypatch.setattr(engine_mod.ModelEngine, "reset", reset)
+    monkeypatch.setattr(engine_mod.ModelEngine, "issue_load", faulty)
+    rep = run_sim(cfg)
+    users = {r.req.rid for r in rep.results["blocking"].requests if r.req.adapter == 2}
+    assert users, "the trace must use adapter 2"
+    chk = rep.check["torch"]
+    assert not chk["identical"] and chk["mismatched_requests"] == len(users)
+
+
+# -- configuration errors and the CLI ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(slots=0), "--slots"), (dict(ranks="8,64", max_rank=32), "rank 64 > --max-rank 32"),
+    (dict(model="gpt-5"), "--model"), (dict(dist="zipf:-1"), "--dist"), (dict(rate=0), "--rate"),
+    (dict(max_rank=1000), "--max-rank"), (dict(chunk=512, max_batch_tokens=64), "--max-batch-tokens"),
+    (dict(policies=("fast",)), "--policy"), (dict(input_len="5:2"), "--input-len"),
+])
+def test_validate_names_the_option(kw, match):
+    with pytest.raises(ValueError, match=match):
+        validate(SimConfig(device="cpu", **kw))
+
+
+def _cli(capsys, *argv):
+    from lora_kernels.cli import main
+
+    try:
+        code = main(["serve-sim", "--no-progress", *argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--slots", "0"], "--slots must be >= 1"),
+    (["--ranks", "8,16,64", "--max-rank", "32"], "rank 64 > --max-rank 32"),
+    (["--model", "llama9"], "--model must be one of"),
+    (["--adapter-dir", "/nonexistent/adapters"], "--adapter-dir /nonexistent/adapters: cannot read it"),
+    (["--slots", "two"], "argument --slots: invalid int value"),
+])
+def test_cli_bad_configuration_is_one_error_line(capsys, argv, match):
+    code, out, err = _cli(capsys, "--device", "cpu", *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lora-kernels: error: ") and match in lines[0], err
+
+
+def test_cli_adapter_dir_with_too_large_rank(capsys, tmp_path):
+    spec = SimConfig(layers=1).spec()
+    folders.write_adapter(tmp_path / "a0", spec, 16, torch.float32, seed=0)
+    code, _, err = _cli(capsys, "--device", "cpu", "--layers", "1", "--adapter-dir", str(tmp_path), "--max-rank", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "above the pool's max rank 8" in err
+
+
+def test_cli_json_run(capsys, tmp_path):
+    code, out, err = _cli(capsys, "--device", "cpu", "--backend", "torch", "--layers", "1", "--adapters", "4",
+                          "--slots", "2", "--requests", "8", "--rate", "200", "--input-len", "4:20",
+                          "--output-len", "2:4", "--chunk", "8", "--max-batch-tokens", "32", "--cache-dir",
+                          str(tmp_path), "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert [p["policy"] for p in rep["policies"]] == list(POLICIES)
+    assert rep["check"]["torch"]["identical"] and rep["policies"][0]["requests"] == 8
+    assert set(rep["vs_blocking"]) == {"overlap", "overlap+prefetch"}
