@@ -19,7 +19,9 @@ into a fresh device tensor, so infos stay valid independently of later builds. G
 one static device buffer (addresses never change, c = max_segments, T = max_tokens); tail segments are
 empty with slot -1 and permutation rows beyond the batch map to themselves. A pure-decode batch (every
 count 1, no sort) uses `seg_lens`/`seg_indptr` precomputed at construction and copies only
-`weight_indices`.
+`weight_indices`; its segments past the batch are one-row padding segments with slot -1 (rows a kernel
+leaves as they were), up to row min(max_segments, max_tokens), which is its `num_tokens`: x and out must
+have that many rows, as a graph's static buffers do (the ops check it).
 
 Graph mode hands out two families of static tensors, so a captured graph must be replayed with infos
 of the family it was captured with: pure decode (`max_seg_len == 1`, the precomputed segments), or any
