@@ -12,7 +12,7 @@ import json
 import statistics
 import subprocess
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -65,19 +65,24 @@ def time_cuda_us(fn: Callable[[], object], warmup: int = 10, reps: int = 100) ->
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
-def time_graph_us(fn: Callable[[], object], inner: int = 20, warmup: int = 3, reps: int = 50) -> float:
+def time_graph_us(fn: Callable[[], object] | Sequence[Callable[[], object]], inner: int = 20, warmup: int = 3,
+                  reps: int = 50) -> float:
     """Median µs per call of fn() replayed from a CUDA graph holding `inner` calls (launch gaps shrink
-    to what a serving engine sees under graph replay). fn must be graph-capturable."""
+    to what a serving engine sees under graph replay). fn must be graph-capturable. A sequence of fns
+    (the same work on different buffers) is captured in rotation, so data a call leaves in L2 is not
+    what the next call reads (pass enough of them to exceed the L2 size)."""
+    fns = list(fn) if isinstance(fn, Sequence) else [fn]
+    inner = max(inner, len(fns))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for f in fns:
+            f()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
+        for i in range(inner):
+            fns[i % len(fns)]()
     return time_cuda_us(graph.replay, warmup=warmup, reps=reps) / inner
 
 

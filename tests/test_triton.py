@@ -1,0 +1,271 @@
+"""Triton backend vs the float64 row loop of cases.py, over ranks, slices, dtypes, adapter popularity,
+odd sizes, permutations, capacity-padded infos and every launch regime (decode / mixed / prefill,
+split-K on and off, one tile per segment or many).
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (conftest.py) on small shapes in fp32/fp16
+(bf16 tl.dot is wrong in the interpreter, so bf16 runs on the GPU only). On a GPU the same tests run
+natively, plus a larger grid marked `gpu`.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import lora_kernels as lk
+from cases import POPULARITY, TOL, make_case, make_info, popularity_slots, rel_err, rowloop_expand, rowloop_shrink
+from lora_kernels import _backends, reference
+from lora_kernels.triton import plan
+
+pytestmark = pytest.mark.skipif(_backends.triton_ops() is None or not (torch.cuda.is_available() or _backends.TRITON_INTERPRET),
+                                reason="Triton backend unavailable")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_DTYPES = [torch.float32, torch.float16]
+GPU = pytest.mark.gpu
+
+# Tiny blocks: on small shapes they force several column tiles, K splits, rank chunks and row tiles.
+SMALL_TABLE = {
+    "decode": (plan.ShrinkCfg(1, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(1, 16, 16, 4, 1)),
+    "mixed": (plan.ShrinkCfg(16, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(16, 16, 16, 4, 1)),
+    "prefill": (plan.ShrinkCfg(32, 16, 16, 0, 1, 4, 2), plan.ExpandCfg(32, 16, 16, 4, 1)),
+}
+
+
+# fp16 does not change which paths the tiny table reaches: it runs with fp32 only (the interpreter is slow).
+TABLE_DTYPES = [("default", torch.float32), ("default", torch.float16), ("small", torch.float32)]
+
+
+@pytest.fixture(params=["default", "small"])
+def table(request, monkeypatch):
+    """Runs a test with the tuned block table and with tiny blocks (many tiles, split-K)."""
+    if request.param == "small":
+        monkeypatch.setattr(plan, "TABLE", SMALL_TABLE)
+    plan.clear_cache()
+    yield request.param
+    plan.clear_cache()
+
+
+def _capacity_info(case, cap_segments, max_seg_len):
+    """The case's batch as a graph-mode builder would hand it out: padded segments, a capacity bound."""
+    return make_info(case.seg_lens, case.slots, case.perm if case.info.permutation is not None else None,
+                     case.info.lora_ranks, case.info.scalings, case.x.device, cap_segments=cap_segments,
+                     max_seg_len=max_seg_len)
+
+
+def _untouched_rows(case):
+    untouched = torch.ones(case.x.shape[0], dtype=torch.bool)
+    for t, slot in zip(case.perm, np.repeat(case.slots, case.seg_lens)):
+        if slot >= 0:
+            untouched[t] = False
+    return untouched.to(case.x.device)
+
+
+class RowLoop:
+    """Ground truth for small shapes: the independent float64 row loop of cases.py."""
+
+    def __init__(self, case, info):
+        self.case = case
+
+    def shrink(self):
+        return rowloop_shrink(self.case)
+
+    def expand(self, v, base):
+        return rowloop_expand(self.case, v, base)
+
+
+class Reference64:
+    """Ground truth for large GPU shapes: reference.py (itself tested against the row loop) in float64."""
+
+    def __init__(self, case, info):
+        self.case, self.info = case, info
+
+    def _args(self):
+        i = self.info
+        return i.seg_indptr, i.weight_indices, i.lora_ranks
+
+    def shrink(self):
+        c = self.case
+        v = torch.full((c.x.shape[0], c.lora_a.shape[1]), float("nan"), dtype=torch.float64, device=c.x.device)
+        reference.sgmv_shrink(c.x.double(), c.lora_a.double(), *self._args(), self.info.permutation, c.num_slices, v)
+        covered = torch.zeros(c.x.shape[0], dtype=torch.bool)
+        covered[c.perm] = True
+        return v.cpu(), covered
+
+    def expand(self, v, base):
+        c = self.case
+        out = base.double().clone()
+        reference.sgmv_expand(v.double().to(out.device), c.lora_b.double(), *self._args(), self.info.scalings,
+                              self.info.permutation, c.slice_offsets, out)
+        return out.cpu()
+
+
+def check_case(case, info=None, truth=RowLoop):
+    """shrink (poisoned out), expand (given v), apply vs a float64 ground truth; untouched rows bit-equal."""
+    info = info or case.info
+    tol = TOL[case.x.dtype]
+    dev = case.x.device
+    ref = truth(case, info)
+    v_ref, covered = ref.shrink()
+
+    v = torch.full((case.x.shape[0], case.lora_a.shape[1]), float("nan"), device=dev)
+    lk.sgmv_shrink(case.x, case.lora_a, info, case.num_slices, out=v, backend="triton")
+    assert torch.isnan(v[~covered.to(dev)]).all(), "shrink wrote rows outside every segment"
+    if covered.any():
+        assert rel_err(v[covered.to(dev)], v_ref[covered]) <= tol * 0.1 + 1e-12
+        zero = v_ref[covered] == 0  # columns >= rank and rows of slot -1: exactly 0
+        assert (v[covered.to(dev)][zero.to(dev)] == 0).all()
+
+    v_in = torch.randn(case.x.shape[0], case.lora_a.shape[1], device=dev)
+    out = case.base.clone()
+    lk.sgmv_expand(v_in, case.lora_b, info, case.slice_offsets, out, backend="triton")
+    assert rel_err(out, ref.expand(v_in, case.base)) <= tol
+    untouched = _untouched_rows(case)
+    assert torch.equal(out[untouched], case.base[untouched]), "expand changed rows it must not touch"
+
+    out = case.base.clone()
+    lk.apply_lora(case.x, out, case.lora_a, case.lora_b, info, case.slice_offsets, backend="triton")
+    assert rel_err(out, ref.expand(v_ref.nan_to_num(0), case.base)) <= tol
+    assert torch.equal(out[untouched], case.base[untouched]), "apply_lora changed rows it must not touch"
+
+
+def _popularity_case(rng, pop, dtype, permute, device=DEVICE, n_seg=6, max_len=5, **kw):
+    num_slots = kw.pop("num_slots", 5)
+    seg_lens = [int(v) for v in rng.integers(1, max_len + 1, n_seg)]
+    slots = [int(s) for s in popularity_slots(pop, n_seg, num_slots, rng)]
+    slots[int(rng.integers(n_seg))] = -1  # always one segment without LoRA
+    return make_case(rng, num_slots=num_slots, seg_lens=seg_lens, slots=slots, dtype=dtype, device=device,
+                     permute=permute, extra_rows=2, **kw)
+
+
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("pop", POPULARITY)
+@pytest.mark.parametrize("table, dtype", TABLE_DTYPES, indirect=["table"])
+def test_popularity(pop, dtype, permute, table):
+    rng = np.random.default_rng([POPULARITY.index(pop), CPU_DTYPES.index(dtype), permute, table == "small"])
+    case = _popularity_case(rng, pop, dtype, permute, max_rank=16, slice_widths=(40, 8, 16), in_dim=48)
+    check_case(case)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("table, dtype", TABLE_DTYPES, indirect=["table"])
+def test_odd_sizes(seed, dtype, table):
+    """Odd in_dim / slice widths / ranks (nothing a multiple of 16), up to 4 slices, one of width 0."""
+    rng = np.random.default_rng([seed, CPU_DTYPES.index(dtype), table == "small"])
+    widths = [int(w) for w in rng.choice([1, 7, 33], int(rng.integers(1, 5)))]
+    if seed == 3:
+        widths = [9, 0, 5]
+    case = make_case(rng, num_slots=4, max_rank=int(rng.choice([1, 5, 24])), slice_widths=tuple(widths),
+                     in_dim=int(rng.choice([1, 19, 111])), seg_lens=[int(v) for v in rng.integers(0, 7, 4)],
+                     dtype=dtype, device=DEVICE, permute=bool(seed % 2), extra_rows=1)
+    check_case(case)
+
+
+@pytest.mark.parametrize("table, dtype", TABLE_DTYPES, indirect=["table"])
+def test_decode_capacity(dtype, table):
+    """Graph-mode pure decode: every segment one row, max_seg_len 1, padded with empty slot -1 segments."""
+    rng = np.random.default_rng([11, CPU_DTYPES.index(dtype)])
+    n = 7
+    slots = [int(s) for s in popularity_slots("uniform", n, 4, rng)]
+    slots[2] = -1
+    case = make_case(rng, num_slots=4, ranks=[3, 16, 0, 9], max_rank=16, slice_widths=(24, 8, 8), in_dim=40,
+                     seg_lens=[1] * n, slots=slots, dtype=dtype, device=DEVICE, extra_rows=3)
+    check_case(case, _capacity_info(case, cap_segments=12, max_seg_len=1))
+
+
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("table, dtype", TABLE_DTYPES, indirect=["table"])
+def test_general_capacity(dtype, permute, table):
+    """Graph-mode general batch: max_seg_len = the token capacity, so segments span many row tiles."""
+    rng = np.random.default_rng([12, CPU_DTYPES.index(dtype), permute])
+    case = make_case(rng, num_slots=3, max_rank=8, slice_widths=(16, 16), in_dim=32, seg_lens=[37, 0, 2, 18],
+                     slots=[1, 0, -1, 2], dtype=dtype, device=DEVICE, permute=permute, extra_rows=5)
+    check_case(case, _capacity_info(case, cap_segments=6, max_seg_len=case.x.shape[0]))
+
+
+def test_prefill_regime(monkeypatch):
+    """The prefill block table (long segments, no split), reached on a small shape by lowering the row bar."""
+    monkeypatch.setattr(plan, "PREFILL_ROWS", 16)
+    monkeypatch.setattr(plan, "PREFILL_SEG_LEN", 8)
+    plan.clear_cache()
+    rng = np.random.default_rng(13)
+    case = make_case(rng, num_slots=3, max_rank=16, ranks=[16, 5, 11], slice_widths=(32, 17), in_dim=64,
+                     seg_lens=[40, 25], slots=[0, 2], dtype=torch.float32, device=DEVICE, permute=True)
+    assert plan.regime(case.x.shape[0], case.info.max_seg_len) == "prefill"
+    check_case(case)
+    plan.clear_cache()
+
+
+def test_rank_zero_slot_untouched():
+    """A slot of rank 0 (empty) behaves like slot -1: expand leaves its rows bit-identical, shrink writes 0."""
+    rng = np.random.default_rng(14)
+    case = make_case(rng, num_slots=2, ranks=[0, 4], max_rank=8, slice_widths=(8,), in_dim=16, seg_lens=[3, 2],
+                     slots=[0, 1], dtype=torch.float32, device=DEVICE)
+    v = torch.full((5, 8), float("nan"), device=DEVICE)
+    lk.sgmv_shrink(case.x, case.lora_a, case.info, 1, out=v, backend="triton")
+    assert (v[:3] == 0).all()
+    out = case.base.clone()
+    lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+    assert torch.equal(out[:3], case.base[:3]) and not torch.equal(out[3:], case.base[3:])
+
+
+def test_shrink_into_input_dtype():
+    """v may be asked for in the input dtype instead of fp32."""
+    rng = np.random.default_rng(15)
+    case = make_case(rng, max_rank=8, slice_widths=(8, 8), in_dim=32, seg_lens=[2, 3], slots=[1, 0],
+                     dtype=torch.float16, device=DEVICE)
+    v_ref, _ = rowloop_shrink(case)
+    v = torch.full((5, 16), float("nan"), dtype=torch.float16, device=DEVICE)
+    lk.sgmv_shrink(case.x, case.lora_a, case.info, 2, out=v, backend="triton")
+    assert rel_err(v, v_ref) <= TOL[torch.float16]
+
+
+def test_plans_depend_on_capacity_only():
+    """The launch plan is a function of host capacities: equal for different batches of one capacity."""
+    p1 = plan.shrink_plan(64, 4096, 3, 16, torch.bfloat16, 16, 64, True)
+    p2 = plan.shrink_plan(64, 4096, 3, 16, torch.bfloat16, 16, 64, True)
+    assert p1 is p2 and p1.grid[1] == min(16 * 4, 4 + 16, 64)
+    assert plan.regime(1, 1) == "decode" and plan.regime(64, 64) == "mixed" and plan.regime(8192, 1024) == "prefill"
+
+
+# ---- GPU: the full grid, bf16 included, at realistic sizes ----
+
+def _gpu_config(rng):
+    num_slices = int(rng.integers(1, 5))
+    max_rank = int(rng.choice([1, 8, 16, 33, 64, 128, 256]))
+    widths = tuple(int(w) for w in rng.choice([1, 48, 129, 1024, 4096], num_slices))
+    n_seg = int(rng.integers(1, 40))
+    max_len = int(rng.choice([1, 4, 64, 700]))
+    return dict(num_slots=int(rng.integers(1, 12)), max_rank=max_rank, slice_widths=widths,
+                in_dim=int(rng.choice([16, 111, 2049, 4096])), n_seg=n_seg, max_len=max_len)
+
+
+@GPU
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_grid(seed, dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng([100 + seed, [torch.float32, torch.float16, torch.bfloat16].index(dtype)])
+    cfg = _gpu_config(rng)
+    pop = POPULARITY[seed % len(POPULARITY)]
+    case = _popularity_case(rng, pop, dtype, permute=bool(seed % 2), device="cuda", **cfg)
+    check_case(case, truth=Reference64)
+    if seed % 3 == 0:  # the same batch as a graph-mode info (capacity-padded)
+        check_case(case, _capacity_info(case, cap_segments=len(case.seg_lens) + 5, max_seg_len=case.x.shape[0]),
+                   truth=Reference64)
+
+
+@GPU
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("shape", ["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("batch", ["decode1", "decode64", "prefill"])
+def test_gpu_llama_shapes_bf16(batch, shape, rank):
+    """Llama-3-8B module shapes in bf16 through each regime's real block table."""
+    in_dim, widths = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
+                      "down": (14336, (4096,))}[shape]
+    rng = np.random.default_rng([rank, len(shape), len(batch)])
+    seg_lens = {"decode1": [1], "decode64": [1] * 64, "prefill": [300, 1200, 600, 100]}[batch]
+    n = len(seg_lens)
+    slots = [int(s) for s in popularity_slots("uniform", n, 8, rng)]
+    case = make_case(rng, num_slots=8, max_rank=rank, ranks=[rank, rank // 2, 1, rank, 7, rank, 3, rank],
+                     slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens, slots=slots, dtype=torch.bfloat16,
+                     device="cuda", permute=batch == "prefill", no_lora_frac=0.1)
+    check_case(case, truth=Reference64)
