@@ -26,7 +26,7 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	touch $@
 
 demo: $(VENV)/.built
-	$(VENV)/bin/lora-kernels demo
+	$(VENV)/bin/lora-kernels serve-sim
 
 serve-sim: $(VENV)/.built
 	$(VENV)/bin/lora-kernels serve-sim

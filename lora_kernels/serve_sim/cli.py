@@ -94,6 +94,9 @@ def _print_report(rep) -> None:
                                                         f"(max rel diff {chk['max_rel_diff']:.1e})")
         print(f"layer-0 LoRA outputs of every request across policies ({b} backend, "
               f"{chk['positions_compared']} positions): {verdict}")
+    if not c.device.startswith("cuda"):
+        print("note: on the CPU a load is a synchronous copy of a small adapter, far shorter than a step, so the "
+              "policies differ little here; the GPU scenario is bench/bench_serving.py")
     unfed = {k: v for k, v in rep.unfed_steps.items() if v}
     if unfed:
         print(f"note: steps timed while the host was still queueing (may include launch gaps): {unfed}")

@@ -9,17 +9,21 @@ check relies on. Layer 0's input is the token embedding itself (no norm), so its
 only on the token, the adapter and the kernel.
 
 Timing (see sim.py): on CUDA, every step's GPU work (and the loads issued with it) is queued behind a
-"gate" — a sleep kernel on the compute stream that outlasts the host's queueing of the step — so that
-the CUDA events around the step and around each load time GPU work only, never host launch gaps.
-`unfed_steps` counts steps whose gate opened before the host finished queueing (their time may include
-host gaps); the gate lengthens itself when that happens. On the CPU, steps and loads are timed with the
-thread's CPU time (`time.thread_time`; torch runs on this one thread there), which other processes on a
-busy machine do not inflate as they do wall time.
+"gate" — a sleep kernel on the compute stream, which the load stream waits for too, lasting 1.25x the
+host's recent queueing time — so that the CUDA events around the step and around each load time GPU
+work only, never host launch gaps. If the gate ends before the host has queued the whole step (a
+Triton compile, a GC pause), the step's forward, which has no side effects, is timed again behind a
+longer gate (`remeasured_steps`); `unfed_steps` counts steps that stayed unfed after 4 tries. On the
+CPU, steps and loads are timed with the thread's CPU time (`time.thread_time`; torch runs on this one
+thread there), which other processes on a busy machine do not inflate as they do wall time.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,8 +67,10 @@ class ModelEngine:
         self.store = HostAdapterStore(spec, dtype, pin=self.is_cuda, max_rank=max_rank)
         for key, path in zip(self.keys, adapter_dirs):
             self.store.register_path(key, path)
-            self.store.get(key)  # read and pack now: a load in the run is only the copy
-        self.ranks = [self.store.get(k).rank for k in self.keys]
+        # Read and pack every adapter now (a load in the run is then only the copy); the store is
+        # thread-safe and reading releases the GIL, so a few threads cut the start-up time.
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            self.ranks = [p.rank for p in pool.map(self.store.get, self.keys)]
         self.pool = GpuAdapterPool(spec, num_slots, max_rank, dtype, self.device)
         self.builder = BatchInfoBuilder(max_tokens, max_segments, self.pool.lora_ranks, self.pool.scalings)
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -79,8 +85,8 @@ class ModelEngine:
         self.q_dim = spec.num_heads * spec.head_dim
         self.loader: AdapterLoader | None = None
         self._gate_cycles_per_s = self._calibrate_sleep() if self.is_cuda else 0.0
-        self._gate_s = 2e-3
-        self.unfed_steps = 0
+        self._host_s: deque[float] = deque(maxlen=16)  # host queueing time of recent fed steps
+        self.unfed_steps = self.remeasured_steps = self.unfed_loads = 0
         self.steps = 0
         self._pending_gate = None
 
@@ -97,24 +103,20 @@ class ModelEngine:
         e1.synchronize()
         return cycles / (e0.elapsed_time(e1) * 1e-3)
 
-    def _open_gate(self) -> torch.cuda.Event | None:
-        """Queues the sleep kernel that holds the GPU while the host queues a step; the load stream waits too."""
-        if not self.is_cuda:
-            return None
-        torch.cuda._sleep(int(self._gate_s * self._gate_cycles_per_s))
+    def _gate_len(self) -> float:
+        """1.25x the median host queueing time of recent steps (a step's host work varies little)."""
+        if not self._host_s:
+            return 5e-3
+        return min(1.25 * float(np.median(self._host_s)) + 3e-4, 0.05)
+
+    def _open_gate(self, seconds: float) -> tuple[torch.cuda.Event, float]:
+        """Queues the sleep kernel that holds the GPU while the host queues a step; the load stream waits
+        for it too. Returns (event at the gate's end, host time it was opened)."""
+        torch.cuda._sleep(int(seconds * self._gate_cycles_per_s))
         gate = torch.cuda.Event()
         gate.record()
         self.loader.load_stream.wait_event(gate)
-        return gate
-
-    def _check_gate(self, gate: torch.cuda.Event | None, host_s: float) -> None:
-        if gate is None:
-            return
-        if gate.query():  # the GPU reached the end of the gate before the host finished queueing
-            self.unfed_steps += 1
-            self._gate_s = min(self._gate_s * 2, 0.2)
-        else:
-            self._gate_s = min(max(self._gate_s * 0.98, 1.5 * host_s + 3e-4), 0.2)
+        return gate, time.perf_counter()
 
     # -- Engine protocol ------------------------------------------------------------------------------
 
@@ -122,7 +124,7 @@ class ModelEngine:
         if self.is_cuda:
             torch.cuda.synchronize()
         self.loader = AdapterLoader(self.pool, self.store)
-        self.unfed_steps = 0
+        self.unfed_steps = self.remeasured_steps = self.unfed_loads = 0
         self.steps = 0
         self._pending_gate = None
         if self.record is not None:
@@ -137,7 +139,7 @@ class ModelEngine:
             self.loader.load_async(key, victim=vkey)
             return time.thread_time() - t0
         if self._pending_gate is None:
-            self._pending_gate = (self._open_gate(), time.perf_counter())
+            self._pending_gate = self._open_gate(self._gate_len())
         stream = self.loader.load_stream
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record(stream)
@@ -148,45 +150,55 @@ class ModelEngine:
     def load_seconds(self, handle) -> float:
         if not self.is_cuda:
             return handle
-        gate = self._pending_gate
-        if gate is not None:  # loads issued without a step (nothing runnable): close their gate here
-            self._check_gate(gate[0], time.perf_counter() - gate[1])
+        if self._pending_gate is not None:  # loads issued in an iteration without a step: close their gate
+            self.unfed_loads += bool(self._pending_gate[0].query())
             self._pending_gate = None
         e0, e1 = handle
         e1.synchronize()
         return e0.elapsed_time(e1) * 1e-3
 
     def run_step(self, plan: StepPlan) -> StepTiming:
-        t0 = time.perf_counter()
-        gate = None
+        t_prep = time.perf_counter()
         if self.is_cuda:
-            gate, t0 = self._pending_gate or (self._open_gate(), t0)
+            gate, t_gate = self._pending_gate or self._open_gate(self._gate_len())
             self._pending_gate = None
         keys = [None if r.adapter is None else self.keys[r.adapter] for r, _ in plan.batch]
         slots = self.loader.acquire(keys)
-        counts = [n for _, n in plan.batch]
-        info = self.builder.build(counts, slots)
-        ids = np.concatenate([r.req.tokens[r.pos:r.pos + n] for r, n in plan.batch])
-        ids_t = torch.from_numpy(ids)
-        ids_t = ids_t.pin_memory().to(self.device, non_blocking=True) if self.is_cuda else ids_t
-        prep_s = time.perf_counter() - t0
+        info = self.builder.build([n for _, n in plan.batch], slots)
+        ids = torch.from_numpy(np.concatenate([r.req.tokens[r.pos:r.pos + n] for r, n in plan.batch]))
         if self.is_cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            h = self._forward(ids_t, info)
-            e1.record()
-            self.loader.release(keys)
-            self._check_gate(gate, time.perf_counter() - t0)
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        prep_s = time.perf_counter() - t_prep
+        if not self.is_cuda:
+            t1 = time.thread_time()
+            h = self._forward(ids, info)
+            compute_s = time.thread_time() - t1
+        else:
+            for attempt in range(4):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                t_fwd = time.perf_counter()
+                h = self._forward(ids, info)
+                e1.record()
+                now = time.perf_counter()
+                if attempt == 0:
+                    self._host_s.append(now - t_gate)  # a median of these sizes the next gates
+                if not gate.query():  # fed: the GPU was still held when the host finished queueing
+                    break
+                # The host outran the gate (a Triton compile, a GC pause): the events may hold host gaps.
+                # The forward has no side effects, so time it again behind a longer gate.
+                e1.synchronize()
+                if attempt == 3:
+                    self.unfed_steps += 1
+                    break
+                self.remeasured_steps += attempt == 0
+                gate, t_gate = self._open_gate(min(2 * (now - t_fwd) + 1e-3, 0.5))
             e1.synchronize()
             compute_s = e0.elapsed_time(e1) * 1e-3
-        else:
-            t1 = time.thread_time()
-            h = self._forward(ids_t, info)
-            compute_s = time.thread_time() - t1
-            self.loader.release(keys)
+        self.loader.release(keys)  # after the last forward that reads the slots
         self.steps += 1
         if self.record is not None:
-            self._record(plan, ids_t, info, h)
+            self._record(plan, ids, info, h)
         return StepTiming(compute_s, prep_s)
 
     # -- the model ------------------------------------------------------------------------------------
