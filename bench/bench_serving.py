@@ -21,13 +21,14 @@ and each load's copy (lora_kernels/serve_sim/sim.py says how).
 Writes JSON lines (--json), and beside them bench_serving.md (the RESULTS.md section body),
 serving_timeline.json (timelines + latencies, to re-plot) and serving_timeline.png (if matplotlib).
 
-    python bench/bench_serving.py [--quick] [--json out.jsonl] [--budget-s 240]
+    python bench/bench_serving.py [--quick] [--json out.jsonl] [--budget-s 150] [--requests 200]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 import traceback
@@ -182,9 +183,10 @@ def scenario(b: Bench, cfg, engine, dist: str) -> None:
 def main() -> int:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--requests", type=int, default=int(os.environ.get("BENCH_SERVING_REQUESTS", 200)))
     p.add_argument("--knee", type=float, default=3.0)
-    p.add_argument("--budget-s", type=float, default=240.0, help="skip the optional 0.8x runs after this long")
+    p.add_argument("--budget-s", type=float, default=float(os.environ.get("BENCH_SERVING_BUDGET_S", 150)),
+                   help="skip the optional 0.8x runs once this many seconds have passed")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dists", default="zipf:1.5,distinct")
     p.add_argument("--cache-dir", default=None)
@@ -210,7 +212,7 @@ def main() -> int:
              sr.scheduler_config(cfg, "blocking"), engine)  # warm-up: compile, allocate
     spec = cfg.spec()
     b.md += [f"{m['device']}, torch {m['torch']}, Triton {m['triton']}, backend `{cfg.backend}`, {m['date']}; "
-             f"pinned H2D {h2d:.1f} GB/s. Model: Llama-3-8B linear dims x {spec.layers} layers, bf16; 64 adapters "
+             f"pinned H2D {h2d:.1f} GB/s. Model: {cfg.model} linear dims x {spec.layers} layers, {cfg.dtype}; 64 adapters "
              f"(ranks 8/16/32/64) over 16 slots; {cfg.requests} requests, prompts {cfg.input_len}, outputs "
              f"{cfg.output_len}; chunk {cfg.chunk}, <= {cfg.max_running} requests / {cfg.max_batch_tokens} rows per step; "
              f"max_prefetch {cfg.max_prefetch}.", ""]
