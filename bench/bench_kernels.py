@@ -251,13 +251,15 @@ def tune_candidates():
     from lora_kernels.triton.plan import ExpandCfg as E, ShrinkCfg as S
 
     return {
-        "decode": ([S(1, 16, 256, 1024, 64, 4, 2), S(1, 32, 256, 1024, 64, 4, 2), S(1, 16, 128, 2048, 64, 4, 2),
-                    S(1, 32, 512, 1024, 64, 8, 2)],
-                   [E(1, 128, 64, 4, 1), E(1, 64, 64, 4, 1), E(1, 256, 32, 8, 1)]),
-        "mixed": ([S(16, 64, 128, 1024, 16, 4, 3), S(16, 64, 64, 1024, 16, 4, 3), S(16, 32, 256, 2048, 16, 4, 3)],
-                  [E(16, 128, 64, 4, 2), E(16, 64, 64, 4, 2)]),
-        "prefill": ([S(64, 64, 64, 0, 1, 4, 4), S(128, 64, 64, 0, 1, 8, 3)],
-                    [E(64, 128, 64, 8, 3), E(128, 128, 32, 8, 3)]),
+        "decode": ([S(1, 16, 256, 1024, 64, 4, 2), S(1, 32, 256, 1024, 64, 4, 2), S(1, 16, 512, 1024, 64, 4, 2),
+                    S(1, 16, 128, 2048, 64, 4, 2)],
+                   [E(1, 128, 64, 4096, 4, 1), E(1, 64, 64, 4096, 4, 1), E(1, 256, 64, 4096, 8, 1),
+                    E(1, 128, 64, 1024, 4, 1)]),
+        "mixed": ([S(16, 32, 256, 2048, 16, 4, 3), S(16, 64, 128, 1024, 16, 4, 3), S(16, 64, 64, 2048, 16, 4, 3)],
+                  [E(16, 128, 64, 2048, 4, 2), E(16, 64, 64, 2048, 4, 2), E(16, 128, 64, 512, 4, 2)]),
+        "prefill": ([S(64, 64, 64, 0, 1, 4, 4), S(128, 64, 64, 0, 1, 8, 3), S(64, 64, 128, 0, 1, 4, 3)],
+                    [E(64, 128, 64, 2048, 4, 3), E(64, 64, 64, 2048, 4, 3), E(64, 128, 64, 2048, 8, 3),
+                     E(128, 64, 64, 1024, 8, 2)]),
     }
 
 
@@ -288,28 +290,64 @@ def run_tune(args):
             plan.clear_cache()
             return [sum(time_module(m, "triton", 15) for m in mods.values()) for mods, _ in built]
 
-        results = []
-        cur_e = plan.TABLE[reg][1]
-        for s in shrinks:
-            results.append(((s, cur_e), score((s, cur_e))))
-        best_s = min(results, key=lambda r: sum(t / min(x[1][i] for x in results) for i, t in enumerate(r[1])))[0][0]
-        for e in expands:
-            if e != cur_e:
-                results.append(((best_s, e), score((best_s, e))))
-        mins = [min(r[1][i] for r in results) for i in range(len(built))]
+        def rel(ts, results):
+            mins = [min(r[1][i] for r in results) for i in range(len(ts))]
+            return sum(t / mn for t, mn in zip(ts, mins)) / len(ts)
+
+        results = [((s, expands[0]), score((s, expands[0]))) for s in shrinks]
+        best_s = min(results, key=lambda r: rel(r[1], results))[0][0]
+        results += [((best_s, e), score((best_s, e))) for e in expands[1:]]
         table = []
         for cfg, ts in results:
-            rel = sum(t / mn for t, mn in zip(ts, mins)) / len(ts)
-            table.append({"regime": reg, "shrink": _cfg_str(cfg[0]), "expand": _cfg_str(cfg[1]), "rel": rel,
-                          **{c.name: t for c, t in zip(TUNE_CASES[reg], ts)}})
+            table.append({"regime": reg, "shrink": _cfg_str(cfg[0]), "expand": _cfg_str(cfg[1]),
+                          "rel": rel(ts, results), **{c.name: t for c, t in zip(TUNE_CASES[reg], ts)}})
             jrows.append({"bench": "sgmv_tune", **table[-1]})
         common.print_table(table, ["regime", "shrink", "expand", "rel", *[c.name for c in TUNE_CASES[reg]]])
-        best[reg] = min(results, key=lambda r: sum(t / mn for t, mn in zip(r[1], mins)))[0]
+        best[reg] = min(results, key=lambda r: rel(r[1], results))[0]
         plan.TABLE[reg] = best[reg]
-        print(f"# best {reg}: {best[reg]}\n")
+        plan.clear_cache()
+        print(f"# best {reg}: {best[reg]}")
+        split = []
+        for case, (mods, _) in zip(TUNE_CASES[reg], built):
+            for m, mod in mods.items():
+                row = {"case": case.name, "module": m, **kernel_times(mod)}
+                split.append(row)
+                jrows.append({"bench": "sgmv_kernels", **row})
+        common.print_table(split, ["case", "module", "shrink_us", "expand_us", "apply_us"])
+        print()
         del built
         torch.cuda.empty_cache()
+    if args.table_out:
+        import json
+
+        args.table_out.write_text(json.dumps({r: [list(c[0].__dict__.values()), list(c[1].__dict__.values())]
+                                              for r, c in best.items()}))
     common.write_jsonl(args.json, jrows)
+
+
+def kernel_times(mod: Module) -> dict:
+    """Graph-replay µs of shrink alone (into fp32 v; split-K adds its reduction) and expand alone."""
+    vs = [torch.empty(x.shape[0], a.shape[1], device=DEVICE) for x, _, a, _ in mod.sets]
+    shrink = [lambda s=s, v=v: lk.sgmv_shrink(s[0], s[2], mod.info, mod.num_slices, out=v, backend="triton")
+              for s, v in zip(mod.sets, vs)]
+    expand = [lambda s=s, v=v: lk.sgmv_expand(v, s[3], mod.info, mod.offsets, s[1], backend="triton")
+              for s, v in zip(mod.sets, vs)]
+    n = len(mod.sets)
+    return {"shrink_us": common.time_graph_us(shrink, inner=n, warmup=2, reps=15),
+            "expand_us": common.time_graph_us(expand, inner=n, warmup=2, reps=15),
+            "apply_us": time_module(mod, "triton", 15)}
+
+
+def load_table(path: Path) -> None:
+    """Replaces the Triton block table by one written with --tune --table-out."""
+    import json
+
+    from lora_kernels.triton import plan
+
+    for reg, (s, e) in json.loads(path.read_text()).items():
+        plan.TABLE[reg] = (plan.ShrinkCfg(*s), plan.ExpandCfg(*e))
+    plan.clear_cache()
+    print(f"# Triton table from {path}: {plan.TABLE}")
 
 
 def _cfg_str(c) -> str:
@@ -321,8 +359,12 @@ def main():
     p.add_argument("--backends", default="triton,cuda,loop,bmm", help="comma list of triton,cuda,loop,bmm")
     p.add_argument("--tune", action="store_true", help="sweep the Triton block table instead of benchmarking")
     p.add_argument("--regimes", default="decode,mixed,prefill", help="regimes to tune (with --tune)")
+    p.add_argument("--table-out", type=Path, default=None, help="with --tune: write the best table here (JSON)")
+    p.add_argument("--table", type=Path, default=None, help="use this Triton block table (from --table-out)")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.table:
+        load_table(args.table)
     (run_tune if args.tune else run_bench)(args)
 
 

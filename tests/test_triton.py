@@ -22,11 +22,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
 GPU = pytest.mark.gpu
 
-# Tiny blocks: on small shapes they force several column tiles, K splits, rank chunks and row tiles.
+# Tiny blocks: on small shapes they force several column tiles per program, K splits, rank chunks and
+# row tiles.
 SMALL_TABLE = {
-    "decode": (plan.ShrinkCfg(1, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(1, 16, 16, 4, 1)),
-    "mixed": (plan.ShrinkCfg(16, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(16, 16, 16, 4, 1)),
-    "prefill": (plan.ShrinkCfg(32, 16, 16, 0, 1, 4, 2), plan.ExpandCfg(32, 16, 16, 4, 1)),
+    "decode": (plan.ShrinkCfg(1, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(1, 16, 16, 2, 4, 1)),
+    "mixed": (plan.ShrinkCfg(16, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(16, 16, 16, 2, 4, 1)),
+    "prefill": (plan.ShrinkCfg(32, 16, 16, 0, 1, 4, 2), plan.ExpandCfg(32, 16, 16, 2, 4, 1)),
 }
 
 
@@ -268,4 +269,31 @@ def test_gpu_llama_shapes_bf16(batch, shape, rank):
     case = make_case(rng, num_slots=8, max_rank=rank, ranks=[rank, rank // 2, 1, rank, 7, rank, 3, rank],
                      slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens, slots=slots, dtype=torch.bfloat16,
                      device="cuda", permute=batch == "prefill", no_lora_frac=0.1)
+    check_case(case, truth=Reference64)
+
+
+@GPU
+def test_gpu_fast_launch_reuse_and_alignment():
+    """Later launches reuse the compiled kernel (launch.py): same bits as the first, JIT-launched call;
+    a pointer of another alignment (a view 1 element into its storage) gets its own compiled kernel."""
+    from lora_kernels.triton import launch
+
+    rng = np.random.default_rng(16)
+    case = make_case(rng, num_slots=4, max_rank=16, slice_widths=(64, 32), in_dim=256, seg_lens=[1, 1, 1, 1],
+                     slots=[0, 3, -1, 1], dtype=torch.bfloat16, device="cuda")
+    plan.clear_cache()
+    outs = []
+    for _ in range(3):
+        out = case.base.clone()
+        lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    storage = torch.empty(case.x.numel() + 1, dtype=case.x.dtype, device="cuda")
+    x_odd = storage[1:].view_as(case.x).copy_(case.x)
+    assert x_odd.data_ptr() % 16 != 0
+    out = case.base.clone()
+    lk.apply_lora(x_odd, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+    assert rel_err(out, outs[0]) <= TOL[torch.bfloat16]  # other vector widths may sum in another order
+    p = plan.shrink_plan(case.x.shape[0], 256, 2, 16, torch.bfloat16, 4, 1, False)
+    assert len(p.runs) == (2 if launch.FAST else 0)
     check_case(case, truth=Reference64)

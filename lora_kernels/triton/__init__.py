@@ -6,7 +6,8 @@
 
 apply_lora runs two launches: split-K shrink into an fp32 workspace of partial sums, then expand,
 which adds the partials while loading v (no separate reduction, no atomics). Launch configs come
-from plan.py (cached per capacity); the batch's segments, slots and ranks are read on the device only.
+from plan.py (cached per capacity), launches from launch.py (compiled kernels reused); the batch's
+segments, slots and ranks are read on the device only.
 """
 
 from __future__ import annotations
@@ -15,39 +16,37 @@ import torch
 
 from lora_kernels.triton import plan as _plan
 from lora_kernels.triton.kernels import _expand_kernel, _shrink_kernel, _shrink_reduce_kernel
+from lora_kernels.triton.launch import launch
 
 __all__ = ["apply_lora", "sgmv_expand", "sgmv_shrink"]
 
 
-def _shrink(x, lora_a, info, num_slices, ws, partial):
-    """Launches the shrink kernel; returns its plan (ws: out itself, or the [split, T, S*R] workspace)."""
-    rows, in_dim = x.shape
-    cap = info.weight_indices.shape[0]
+def _shrink_plan(x, lora_a, info, num_slices):
+    return _plan.shrink_plan(x.shape[0], x.shape[1], num_slices, lora_a.shape[1] // num_slices, x.dtype,
+                             info.weight_indices.shape[0], info.max_seg_len, info.permutation is not None)
+
+
+def _shrink(p, x, lora_a, info, num_slices, out, partial):
+    """The shrink kernel into out: v itself (partial=False, split 1) or the [split, T, S*R] workspace."""
     perm = info.permutation
-    p = _plan.shrink_plan(rows, in_dim, num_slices, lora_a.shape[1] // num_slices, x.dtype, cap, info.max_seg_len,
-                          perm is not None)
-    if ws is None:
-        ws = torch.empty((p.split, rows, lora_a.shape[1]), dtype=torch.float32, device=x.device)
-    _shrink_kernel[p.grid](x, lora_a, ws, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                           info.seg_indptr if perm is None else perm, cap, in_dim, lora_a.shape[1] // num_slices,
-                           lora_a.shape[1], rows, p.k_chunk, PARTIAL=partial, **p.kw)
-    return p, ws
+    tensors = (x, lora_a, out, info.seg_indptr, info.weight_indices, info.lora_ranks,
+               info.seg_indptr if perm is None else perm)
+    scalars = (info.weight_indices.shape[0], x.shape[1], lora_a.shape[1] // num_slices, lora_a.shape[1], x.shape[0],
+               p.k_chunk)
+    launch(_shrink_kernel, p.runs, (partial, out.dtype), p.grid, tensors, scalars, {**p.kw, "PARTIAL": partial})
 
 
 def sgmv_shrink(x, lora_a, info, num_slices, out):
-    rows = x.shape[0]
-    cap = info.weight_indices.shape[0]
-    p = _plan.shrink_plan(rows, x.shape[1], num_slices, lora_a.shape[1] // num_slices, x.dtype, cap,
-                          info.max_seg_len, info.permutation is not None)
+    p = _shrink_plan(x, lora_a, info, num_slices)
     if p.split == 1:
-        _shrink(x, lora_a, info, num_slices, out, partial=False)
+        _shrink(p, x, lora_a, info, num_slices, out, partial=False)
         return out
-    _, ws = _shrink(x, lora_a, info, num_slices, None, partial=True)
+    ws = torch.empty((p.split, x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    _shrink(p, x, lora_a, info, num_slices, ws, partial=True)
     perm = info.permutation
-    _shrink_reduce_kernel[p.reduce_grid](ws, out, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                                         info.seg_indptr if perm is None else perm, cap,
-                                         lora_a.shape[1] // num_slices, lora_a.shape[1], rows, p.split,
-                                         **p.reduce_kw)
+    tensors = (ws, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.seg_indptr if perm is None else perm)
+    scalars = (info.weight_indices.shape[0], lora_a.shape[1] // num_slices, lora_a.shape[1], x.shape[0], p.split)
+    launch(_shrink_reduce_kernel, p.runs, ("reduce", out.dtype), p.reduce_grid, tensors, scalars, p.reduce_kw)
     return out
 
 
@@ -57,11 +56,10 @@ def _expand(v, lora_b, info, slice_offsets, out, n_split):
     perm = info.permutation
     max_rank = lora_b.shape[2]
     p = _plan.expand_plan(rows, slice_offsets, max_rank, out.dtype, cap, info.max_seg_len, perm is not None, n_split)
-    o1, o2, o3, t1, t2, t3 = p.offsets
-    _expand_kernel[p.grid](v, lora_b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                           info.seg_indptr if perm is None else perm, cap, max_rank,
-                           max_rank * (len(slice_offsets) - 1), slice_offsets[-1], rows, n_split,
-                           o1, o2, o3, t1, t2, t3, **p.kw)
+    tensors = (v, lora_b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+               info.seg_indptr if perm is None else perm)
+    scalars = (cap, max_rank, max_rank * (len(slice_offsets) - 1), slice_offsets[-1], rows, n_split, *p.offsets)
+    launch(_expand_kernel, p.runs, v.dtype, p.grid, tensors, scalars, p.kw)
 
 
 def sgmv_expand(v, lora_b, info, slice_offsets, out):
@@ -70,6 +68,9 @@ def sgmv_expand(v, lora_b, info, slice_offsets, out):
 
 
 def apply_lora(x, base_out, lora_a, lora_b, info, slice_offsets):
-    p, ws = _shrink(x, lora_a, info, len(slice_offsets) - 1, None, partial=True)
+    num_slices = len(slice_offsets) - 1
+    p = _shrink_plan(x, lora_a, info, num_slices)
+    ws = torch.empty((p.split, x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    _shrink(p, x, lora_a, info, num_slices, ws, partial=True)
     _expand(ws, lora_b, info, slice_offsets, base_out, p.split)
     return base_out

@@ -104,8 +104,8 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, seg_indptr, weight_indices, lora_ranks
         at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
         if BLOCK_M >= 16:
             acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
-        else:  # decode: a GEMV per row, on the CUDA cores
-            acc += tl.sum(xt[:, None, :].to(tl.float32) * at[None, :, :].to(tl.float32), axis=2)
+        else:  # decode: one row, a GEMV on the CUDA cores over a 2-D [BLOCK_N, BLOCK_K] tile
+            acc += tl.sum(at.to(tl.float32) * xt.to(tl.float32), axis=1)[None, :]
     if PARTIAL:
         tl.store(out_ptrs, acc, mask=row_mask[:, None] & live[None, :])
     else:
@@ -149,19 +149,20 @@ def _shrink_reduce_kernel(ws_ptr, out_ptr, seg_indptr, weight_indices, lora_rank
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["cap", "n_split", "t1", "t2", "t3"])
+@triton.jit(do_not_specialize=["cap", "n_split", "t1", "t2", "t3", "n_tiles"])
 def _expand_kernel(v_ptr, b_ptr, out_ptr, seg_indptr, weight_indices, lora_ranks, scalings, perm_ptr,
-                   cap, R, NR, OUT, num_rows, n_split, off1, off2, off3, t1, t2, t3,
+                   cap, R, NR, OUT, num_rows, n_split, off1, off2, off3, t1, t2, t3, n_tiles,
                    HAS_PERM: tl.constexpr, FLAT: tl.constexpr, SEG_BLOCK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """out[row, n] += scaling * sum_{j<rank} v[row, i*R + j] * B[slot, n, j] for the n of this tile.
+    """out[row, n] += scaling * sum_{j<rank} v[row, i*R + j] * B[slot, n, j] for the n of its tiles.
 
-    Axis 0 enumerates the column tiles of all slices (slice i owns tiles [t_i, t_{i+1}) and columns
-    [off_i, off_{i+1})); v is the sum of n_split partials (n_split = 1: v itself). Rows of slot -1 /
+    The column tiles of all slices are numbered 0..n_tiles (slice i owns tiles [t_i, t_{i+1}) and
+    columns [off_i, off_{i+1})); program (g, w) handles tiles g, g + G, g + 2G, ... of work item w
+    (G = grid axis 0), so that the segment lookup is paid once per program and programs of empty
+    items stay few. v is the sum of n_split partials (n_split = 1: v itself). Rows of slot -1 /
     rank-0 segments are not touched.
     """
-    pid_n = tl.program_id(0)
     seg, row0, end = _locate(tl.program_id(1), seg_indptr, cap, BLOCK_M, FLAT, SEG_BLOCK)
     if seg >= cap:
         return
@@ -171,25 +172,26 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, seg_indptr, weight_indices, lora_ranks
     if rank == 0:
         return
     scale = tl.load(scalings + slot)
-    i = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32) + (pid_n >= t3).to(tl.int32)
-    lo = tl.where(i == 0, 0, tl.where(i == 1, off1, tl.where(i == 2, off2, off3)))
-    hi = tl.where(i == 0, off1, tl.where(i == 1, off2, tl.where(i == 2, off3, OUT)))
-    t0 = tl.where(i == 0, 0, tl.where(i == 1, t1, tl.where(i == 2, t2, t3)))
-    n = lo + (pid_n - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < hi
     rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
-    b_rows = b_ptr + (slot * OUT + n[:, None]) * R
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        j = r0 + tl.arange(0, BLOCK_R)
-        j_mask = j < rank
-        vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, n_split, num_rows * NR, NR, BLOCK_SPLIT)
-        bt = tl.load(b_rows + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
-        if BLOCK_M >= 16:
-            acc = tl.dot(vt.to(bt.dtype), tl.trans(bt), acc, input_precision=DOT_PREC)
-        else:  # decode: per row, on the CUDA cores, v kept in fp32
-            acc += tl.sum(vt[:, None, :] * bt[None, :, :].to(tl.float32), axis=2)
-    out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
-    mask = row_mask[:, None] & n_mask[None, :]
-    base = tl.load(out_ptrs, mask=mask, other=0.0)
-    tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+    b_slot = b_ptr + slot * OUT * R
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        i = (t >= t1).to(tl.int32) + (t >= t2).to(tl.int32) + (t >= t3).to(tl.int32)
+        lo = tl.where(i == 0, 0, tl.where(i == 1, off1, tl.where(i == 2, off2, off3)))
+        hi = tl.where(i == 0, off1, tl.where(i == 1, off2, tl.where(i == 2, off3, OUT)))
+        t0 = tl.where(i == 0, 0, tl.where(i == 1, t1, tl.where(i == 2, t2, t3)))
+        n = lo + (t - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
+        mask = row_mask[:, None] & n_mask[None, :]
+        base = tl.load(out_ptrs, mask=mask, other=0.0)  # issued first: its latency overlaps v's and B's
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            j = r0 + tl.arange(0, BLOCK_R)
+            j_mask = j < rank
+            vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, n_split, num_rows * NR, NR, BLOCK_SPLIT)
+            bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+            if BLOCK_M >= 16:
+                acc = tl.dot(vt.to(bt.dtype), tl.trans(bt), acc, input_precision=DOT_PREC)
+            else:  # decode: one row, a GEMV on the CUDA cores, v kept in fp32
+                acc += tl.sum(bt.to(tl.float32) * vt, axis=1)[None, :]
+        tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)

@@ -15,7 +15,7 @@ bench/RESULTS.md); `TABLE` may be replaced for experiments, followed by `clear_c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,14 +36,15 @@ class ExpandCfg:
     block_m: int
     block_n: int
     block_r: int  # rank chunk (capped at next_pow2(R))
+    target_programs: int  # column tiles are shared out so that work items x groups reach about this
     num_warps: int
     num_stages: int
 
 
 TABLE = {
-    "decode": (ShrinkCfg(1, 32, 256, 1024, 64, 4, 2), ExpandCfg(1, 128, 64, 4, 1)),
-    "mixed": (ShrinkCfg(16, 64, 128, 1024, 16, 4, 3), ExpandCfg(16, 128, 64, 4, 2)),
-    "prefill": (ShrinkCfg(64, 64, 64, 0, 1, 4, 4), ExpandCfg(64, 128, 64, 8, 3)),
+    "decode": (ShrinkCfg(1, 16, 256, 1024, 64, 4, 2), ExpandCfg(1, 128, 64, 4096, 4, 1)),
+    "mixed": (ShrinkCfg(16, 32, 256, 2048, 16, 4, 3), ExpandCfg(16, 128, 64, 2048, 4, 2)),
+    "prefill": (ShrinkCfg(64, 64, 64, 0, 1, 4, 4), ExpandCfg(64, 128, 64, 2048, 4, 3)),
 }
 PREFILL_ROWS = 2048
 PREFILL_SEG_LEN = 64
@@ -106,6 +107,7 @@ class ShrinkPlan:
     kw: dict  # constexprs + launch options of _shrink_kernel (PARTIAL added by the caller)
     reduce_grid: tuple
     reduce_kw: dict
+    runs: dict = field(default_factory=dict)  # compiled launchers (launch.py)
 
 
 def shrink_plan(rows: int, in_dim: int, num_slices: int, max_rank: int, dtype: torch.dtype, cap: int,
@@ -146,8 +148,9 @@ def shrink_plan(rows: int, in_dim: int, num_slices: int, max_rank: int, dtype: t
 @dataclass(frozen=True)
 class ExpandPlan:
     grid: tuple
-    offsets: tuple  # off1, off2, off3, t1, t2, t3 (kernel scalars)
+    offsets: tuple  # off1, off2, off3, t1, t2, t3, n_tiles (kernel scalars)
     kw: dict
+    runs: dict = field(default_factory=dict)  # compiled launchers (launch.py)
 
 
 def expand_plan(rows: int, slice_offsets: tuple, max_rank: int, dtype: torch.dtype, cap: int, max_seg_len: int,
@@ -168,9 +171,10 @@ def expand_plan(rows: int, slice_offsets: tuple, max_rank: int, dtype: torch.dty
     offs = list(slice_offsets[1:-1]) + [out_total] * (4 - len(widths))
     ts = starts[:-1] + [total] * (4 - len(widths))
     items = _items(rows, cap, max_seg_len, bm)
+    groups = max(1, min(total, _cdiv(cfg.target_programs, items.count)))
     kw = dict(HAS_PERM=has_perm, FLAT=items.flat, SEG_BLOCK=items.seg_block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
               BLOCK_SPLIT=_pow2(n_split), DOT_PREC=_dot_prec(dtype), num_warps=cfg.num_warps,
               num_stages=cfg.num_stages)
-    plan = ExpandPlan((max(total, 1), items.count), tuple(offs[:3] + ts[:3]), kw)
+    plan = ExpandPlan((groups, items.count), tuple(offs[:3] + ts[:3]) + (total,), kw)
     _cache[key] = plan
     return plan
