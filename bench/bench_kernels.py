@@ -214,8 +214,9 @@ def run_bench(args):
     common.write_jsonl(args.json, jrows)
 
 
-def check_backends(mod: Module, backends):
-    """Every backend (baselines included) must compute the same result before it is timed."""
+def check_backends(mod: Module, backends) -> None:
+    """Every backend (baselines included) must compute the same result before it is timed; one that
+    does not is dropped from `backends` with a note (the Triton backend's failure is fatal)."""
     x, out, a, b = mod.sets[0]
     results = {}
     for name in backends:
@@ -228,7 +229,11 @@ def check_backends(mod: Module, backends):
     for name, delta in results.items():
         err = float((delta - ref).norm() / ref.norm().clamp_min(1e-30))
         if not err <= 2e-2:
-            raise RuntimeError(f"{mod.name}: backend {name} differs from the torch loop (rel. err. of the LoRA delta {err:.2e})")
+            msg = f"{mod.name}: backend {name} differs from the torch loop (rel. err. of the LoRA delta {err:.2e})"
+            if name == "triton":
+                raise RuntimeError(msg)
+            print(f"# {msg}: dropped")
+            backends.remove(name)
 
 
 def host_overhead(case, mods, backends):
