@@ -29,13 +29,13 @@ HOLD_CYCLES = 10_000_000  # ~5 ms GPU sleep before a timed load: longer than its
 SPEC = ModelSpec.preset("llama3-8b")
 
 
-def setup(rank: int, max_rank: int, backend: str = "auto"):
-    """A one-slot pool and two ids of one random adapter: alternating them makes every load a real one."""
+def setup(rank: int, max_rank: int, backend: str = "auto", num_slots: int = 1, num_ids: int = 2):
+    """A pool and `num_ids` ids of one random adapter: alternating them makes every load a real one."""
     w = AdapterWeights.random(SPEC, rank, DTYPE, seed=rank, device="cuda")
-    pool = GpuAdapterPool(SPEC, num_slots=1, max_rank=max_rank, dtype=DTYPE, device="cuda")
+    pool = GpuAdapterPool(SPEC, num_slots=num_slots, max_rank=max_rank, dtype=DTYPE, device="cuda")
     store = HostAdapterStore(SPEC, DTYPE)
-    store.register("x0", w)
-    store.register("x1", w)
+    for i in range(num_ids):
+        store.register(f"x{i}", w)
     return w, pool, store, AdapterLoader(pool, store, backend=backend)
 
 
@@ -101,19 +101,20 @@ def baselines(w, pool, store, loader_wall_us, reps, nbytes) -> dict:
 
 
 def bench_overlap(reps: int, num_loads: int = 8) -> dict:
-    """Loads of an r=16 adapter on the load stream beside bf16 GEMMs on the compute stream."""
-    _, pool, store, loader = setup(16, 16)
+    """`num_loads` loads of an r=16 adapter (each into its own slot: a slot still loading is never
+    evicted) on the load stream beside bf16 GEMMs on the compute stream."""
+    _, pool, store, loader = setup(16, 16, num_slots=num_loads, num_ids=num_loads)
     compute = torch.cuda.current_stream()
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=DTYPE)
     b = torch.randn(n, n, device="cuda", dtype=DTYPE)
     c = torch.empty(n, n, device="cuda", dtype=DTYPE)
-    state = {"i": 0}
 
     def loads():
-        for _ in range(num_loads):
-            state["i"] += 1
-            loader.load_async(f"x{state['i'] % 2}")
+        for i in range(num_loads):  # the previous round's loads completed (synchronized): free them
+            loader.unload(f"x{i}")
+        for i in range(num_loads):
+            loader.load_async(f"x{i}")
 
     t_load = common.time_span_us(loads, loader.load_stream, warmup=1, reps=reps, hold_cycles=HOLD_CYCLES)["gpu_us"]
     gemm_us = common.time_cuda_us(lambda: torch.matmul(a, b, out=c), warmup=3, reps=10)

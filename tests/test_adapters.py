@@ -182,6 +182,22 @@ def test_acquire_release_errors_and_rollback():
     assert loader.load_async("a2", victim="a0") == 0 and loader.slot_of("a0") is None
 
 
+def test_unload_frees_the_slot():
+    pool = GpuAdapterPool(SPEC, 1, 4, torch.float32, "cpu")
+    store = HostAdapterStore(SPEC, torch.float32)
+    for i in range(2):
+        store.register(f"a{i}", _adapter(4, i))
+    loader = AdapterLoader(pool, store)
+    loader.acquire(["a0"])
+    with pytest.raises(RuntimeError, match=r"^cannot unload adapter 'a0': it is acquired or still loading$"):
+        loader.unload("a0")
+    loader.release(["a0"])
+    loader.unload("a0")
+    loader.unload("never-loaded")
+    assert loader.resident() == [] and loader.load_async("a1") == 0 and loader.stats["evictions"] == 0
+    _check_slot(pool, 0, _adapter(4, 1))
+
+
 def test_batched_h2d_copy_cpu_and_errors():
     srcs = [torch.randn(5), torch.randn(2, 3)]
     dsts = [torch.empty(5), torch.empty(6, dtype=torch.float32)]

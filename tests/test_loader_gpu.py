@@ -64,23 +64,49 @@ def test_loaded_data_bit_exact(backend, rank):
     assert loader.stats["loads"] == 7 and loader.stats["evictions"] == 5
 
 
-def test_batched_h2d_copy_op_checks():
+def test_batched_h2d_copy_op():
     if not lk.HAS_CUDA_EXT:
         pytest.skip("extension not built")
     src = torch.arange(10, dtype=torch.float32).pin_memory()
     dst = torch.zeros(10, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    batched_h2d_copy([src, src[:0]], [dst, dst[:0]], side)
+    batched_h2d_copy([src, src[:0]], [dst, dst[:0]], side, check=False)
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(dst.cpu(), src)
-    batched_h2d_copy([src], [dst.view(torch.int32)])  # on the legacy default stream (the batch API refuses it)
-    with pytest.raises(RuntimeError, match=r"srcs\[0\] must be pinned host memory"):
+    dst.zero_()
+    batched_h2d_copy([src], [dst.view(torch.int32)], check=False)  # legacy default stream: the batch API refuses it
+    assert torch.equal(dst.cpu(), src)
+    with pytest.raises(ValueError, match=r"^srcs\[0\] must be pinned host memory, got cpu \(not pinned\)"):
         batched_h2d_copy([torch.ones(10)], [dst], side)
-    with pytest.raises(RuntimeError, match=r"srcs\[0\] has 40 bytes but dsts\[0\] has 36"):
-        batched_h2d_copy([src], [dst[:9]], side)
-    with pytest.raises(ValueError, match=r"srcs\[0\] must be pinned host memory"):
-        batched_h2d_copy([torch.ones(10)], [dst], side, backend="torch")
+    with pytest.raises(ValueError, match=r"^srcs\[0\] has 40 bytes \(\(10,\) torch.float32\) but dsts\[0\] has 36"):
+        batched_h2d_copy([src], [dst[:9]], side, backend="torch")
+
+
+_OP_ERRORS = """
+import torch, lora_kernels
+src, dst = torch.arange(10.).pin_memory(), torch.zeros(10, device="cuda")
+for s, d in (([torch.ones(10)], [dst]), ([src], [dst[:9]])):
+    try:
+        torch.ops.lora_kernels.batched_h2d_copy.default(s, d)
+    except RuntimeError as e:
+        print(str(e).splitlines()[0])
+"""
+
+
+def test_batched_h2d_copy_op_errors_raise():
+    """The C++ op's own checks raise RuntimeError (run apart: on the first device run such a raise crashed
+    the process, torch 2.11 + CUDA 13, so a crash must fail this test, not end the session)."""
+    if not lk.HAS_CUDA_EXT:
+        pytest.skip("extension not built")
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _OP_ERRORS], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("srcs[0] must be pinned host memory, got cpu (not pinned)"), lines
+    assert lines[1].startswith("srcs[0] has 40 bytes but dsts[0] has 36"), lines
 
 
 def _batch(pool, slot, x):

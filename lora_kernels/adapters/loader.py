@@ -124,6 +124,17 @@ class AdapterLoader:
         self._id_of[slot] = adapter_id
         return slot
 
+    def unload(self, adapter_id: Hashable) -> None:
+        """Frees the adapter's slot now (it must not be acquired or loading); the slot's data stays stale."""
+        slot = self._slot_of.get(adapter_id)
+        if slot is None:
+            return
+        if not self._evictable(slot):
+            raise RuntimeError(f"cannot unload adapter {adapter_id!r}: it is acquired or still loading")
+        del self._slot_of[adapter_id]
+        self._id_of[slot] = None
+        self._free.append(slot)
+
     def _take_slot(self, adapter_id: Hashable, victim: Hashable | None) -> int:
         if victim is not None:
             slot = self._slot_of.get(victim)
@@ -149,7 +160,7 @@ class AdapterLoader:
         srcs = self._src_plan(packed)
         dsts, staged_dst, staged_src, zero = self._dst_plan(slot, packed)
         if not self.is_cuda:
-            batched_h2d_copy(srcs, dsts, backend=self.backend)
+            batched_h2d_copy(srcs, dsts, backend=self.backend, check=False)
             if staged_dst:
                 torch._foreach_copy_(staged_dst, staged_src)
             if zero:
@@ -160,7 +171,7 @@ class AdapterLoader:
                 for ev in self._release_events[slot].values():
                     stream.wait_event(ev)
                 self._release_events[slot].clear()
-                batched_h2d_copy(srcs, dsts, stream, backend=self.backend)
+                batched_h2d_copy(srcs, dsts, stream, backend=self.backend, check=False)
                 if staged_dst:
                     torch._foreach_copy_(staged_dst, staged_src)
                 if zero:
