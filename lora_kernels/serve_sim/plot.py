@@ -45,6 +45,7 @@ def plot(data: dict, path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError as e:
         raise ImportError(f"--plot needs matplotlib (pip install matplotlib): {e}") from None
     runs = data["policies"]
@@ -70,7 +71,7 @@ def plot(data: dict, path: str) -> None:
     ax_t.set_xlabel("simulated time (ms)")
     ax_t.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
                 labels=["prefill step", "decode step", "stalled on a load", "adapter load"], ncol=4,
-                loc="upper right", fontsize=8)
+                loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, frameon=False)
     ax_t.set_title(data["title"], fontsize=10)
     for j, (key, label) in enumerate((("ttft_ms", "TTFT"), ("e2e_ms", "E2E latency"))):
         ax = fig.add_subplot(grid[1, j])
@@ -78,6 +79,7 @@ def plot(data: dict, path: str) -> None:
             t = np.sort(runs[name][key])
             ax.step(t, np.arange(1, len(t) + 1) / len(t), where="post", label=name)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decade labels only
         ax.set_xlabel(f"{label} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
