@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -35,6 +36,7 @@ def meta() -> dict:
                                 cwd=Path(__file__).parent, check=False).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("GIT_COMMIT", "")  # device copies of the tree carry no .git
     import triton
 
     return {"device": device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,

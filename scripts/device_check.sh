@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command a device run uses: build against the machine's own torch, run the GPU tests, run the
 # benchmarks; logs and JSON go to $OUT (or ./out).  Usage: scripts/device_check.sh [build|test|bench|all]...
-#   PYTEST_ARGS="-k triton" narrows the tests; BENCHES="bench/bench_kernels.py" narrows the benchmarks.
+#   PYTEST_ARGS="tests -k 'triton or cuda'" narrows the tests (default: tests);
+#   GIT_COMMIT=<hash> names the commit in the JSON lines where the copy has no .git; BENCHES="bench/bench_kernels.py" narrows the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -19,7 +20,8 @@ if want build || want test || want bench; then
   echo "build took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
 fi
 if want test; then
-  python3 -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  # eval keeps quoted arguments such as -k 'loader or peft' whole.
+  eval "python3 -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
