@@ -4,8 +4,11 @@ Triton's `kernel[grid](...)` binds and specializes every argument in Python on e
 for these ~25-argument kernels). The first launch for a plan goes that way; the CompiledKernel it
 returns is then kept in the plan and later launches call it directly. The cache key holds what
 Triton specializes on and the plan does not already fix: each pointer's 16-byte alignment, the
-device, and the caller's variant tag. Off under TRITON_INTERPRET or with
-LORA_KERNELS_TRITON_FAST_LAUNCH=0 (every launch then goes through Triton's JIT).
+device, and the caller's variant tag.
+
+Opt-in for now (LORA_KERNELS_TRITON_FAST_LAUNCH=1): its first device run failed on a 2-D grid
+(CompiledKernel's runner indexes grid[2]; fixed below by padding the grid), and the fix has not been
+run on a GPU yet. Never under TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import torch
 
 FAST = (os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-        and os.environ.get("LORA_KERNELS_TRITON_FAST_LAUNCH", "1") != "0")
+        and os.environ.get("LORA_KERNELS_TRITON_FAST_LAUNCH", "0") == "1")
 
 
 def launch(fn, runs: dict, tag, grid: tuple, tensors: tuple, scalars: tuple, kw: dict) -> None:
@@ -33,4 +36,5 @@ def launch(fn, runs: dict, tag, grid: tuple, tensors: tuple, scalars: tuple, kw:
     compiled = fn[grid](*tensors, *scalars, **kw)
     if FAST and compiled is not None:
         names = fn.arg_names[len(tensors) + len(scalars):]
-        runs[key] = (compiled[grid], tuple(kw[n] for n in names))
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))  # the compiled runner reads grid[0], grid[1], grid[2]
+        runs[key] = (compiled[grid3], tuple(kw[n] for n in names))
