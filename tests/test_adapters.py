@@ -270,3 +270,102 @@ def test_eviction_never_picks_acquired_or_loading(seed):
                 _check_slot(pool, loader.slot_of(aid), ws[aid])
         assert sum(loader._refs) == sum(len(b) for b in batches)
         assert len(set(after.values())) == len(after) <= num_slots
+
+
+# ---- host tier: adapters as PEFT folders, a byte-bounded host store, the host-stage worker ----------------------
+
+def _folders(tmp_path, ranks):
+    """PEFT folders of random adapters (one per rank) and each one's weights read back, fp32."""
+    from lora_kernels.adapters import load_peft_adapter
+    from lora_kernels.serve_sim.folders import write_adapter
+
+    paths = []
+    for i, r in enumerate(ranks):
+        write_adapter(tmp_path / f"f{i}", SPEC, r, torch.float32, seed=10 + i)
+        paths.append(tmp_path / f"f{i}")
+    return paths, [load_peft_adapter(p, SPEC, dtype=torch.float32) for p in paths]
+
+
+def test_store_of_folders_evicts_lru_and_rereads(tmp_path, monkeypatch):
+    """A store bounded to two adapters over three folders: a cold get reads the folder, the least recently used
+    one is dropped, `lookup` never reads, and a dropped adapter's next get reads its folder again."""
+    from lora_kernels.adapters import host_store
+
+    paths, ws = _folders(tmp_path, [4, 4, 4])
+    one = pack_adapter("x", ws[0], SPEC, torch.float32, pin=False).nbytes
+    store = HostAdapterStore(SPEC, torch.float32, capacity_bytes=2 * one, pin=False)
+    for i, p in enumerate(paths):
+        store.register_path(f"a{i}", p)
+    reads = []
+    orig = host_store.load_peft_adapter
+    monkeypatch.setattr(host_store, "load_peft_adapter",
+                        lambda path, *a, **k: reads.append(path) or orig(path, *a, **k))
+    assert store.lookup("a0") is None and reads == []  # lookup never reads
+    store.get("a0"), store.get("a1")
+    assert store.lookup("a0") is not None  # a0 becomes the most recent: a1 is dropped next
+    store.get("a2")
+    assert store.packed_ids() == ["a0", "a2"] and store.resident_bytes == 2 * one and len(store) == 3
+    p1 = store.get("a1")  # dropped: read again, and a0 (now least recent) goes
+    assert reads == [paths[0], paths[1], paths[2], paths[1]] and store.packed_ids() == ["a2", "a1"]
+    assert torch.equal(p1.b[(1, "o_proj")].view(torch.float32).view(ws[1].lora_b[(1, "o_proj")].shape),
+                       ws[1].lora_b[(1, "o_proj")])
+
+
+def test_stager_reads_on_its_worker_and_joins_hits(tmp_path):
+    import threading
+
+    from lora_kernels.adapters import HostStager
+
+    paths, ws = _folders(tmp_path, [4, 8])
+    store = HostAdapterStore(SPEC, torch.float32, pin=False)
+    for i, p in enumerate(paths):
+        store.register_path(f"a{i}", p)
+    gate, seen = threading.Event(), []
+    orig_get = store.get
+
+    def slow_get(aid):  # holds the worker until the test has submitted the join
+        seen.append(threading.current_thread().name)
+        gate.wait(5)
+        return orig_get(aid)
+
+    store.get = slow_get
+    with HostStager(store) as stager:
+        cold = stager.submit("a0")
+        join = stager.submit("a0")  # in flight: joins the same read
+        assert cold.cold and not join.cold and not cold.done()
+        gate.set()
+        assert cold.result(5) is join.result(5) and cold.result().rank == 4
+        assert seen == [seen[0]] and seen[0].startswith("lora-host-stage") and cold.seconds > 0 == join.seconds
+        hit = stager.submit("a0")  # in host memory now: done at once, no read
+        assert hit.done() and not hit.cold and hit.seconds == 0 and hit.result() is cold.result()
+        with pytest.raises(KeyError, match="adapter 'zz' is not in the host store"):
+            stager.submit("zz").result(5)  # the worker's error reaches whoever waits
+        assert stager.stats["reads"] == 1 and stager.stats["hits"] == 1 and stager.stats["joins"] == 1
+
+
+def test_staged_adapter_survives_eviction_and_loads_exactly(tmp_path):
+    """Prefetch of a disk-only adapter: its host stage packs it, the store then drops it (LRU), and the
+    staged buffer still loads into the slot bit for bit through `load_async(packed=...)`."""
+    from lora_kernels.adapters import HostStager
+
+    paths, ws = _folders(tmp_path, [8, 3])
+    one = max(pack_adapter("x", w, SPEC, torch.float32, pin=False).nbytes for w in ws)
+    store = HostAdapterStore(SPEC, torch.float32, capacity_bytes=one, pin=False)
+    for i, p in enumerate(paths):
+        store.register_path(f"a{i}", p)
+    pool = GpuAdapterPool(SPEC, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    for layer in range(SPEC.layers):  # stale data everywhere
+        for g in SPEC.groups:
+            pool.lora_a[layer][g.name].normal_()
+            pool.lora_b[layer][g.name].normal_()
+    loader = AdapterLoader(pool, store)
+    with HostStager(store) as stager:
+        staged = stager.submit("a1").result(5)
+        stager.submit("a0").result(5)  # a budget of one adapter: a1 is dropped from the store
+        assert store.packed_ids() == ["a0"] and store.stats["packs"] == 2
+        with pytest.raises(ValueError, match="packed adapter 'a1' .* given for adapter 'a0'"):
+            loader.load_async("a0", packed=staged)
+        slot = loader.load_async("a1", packed=staged)
+        _check_slot(pool, slot, ws[1])
+        assert store.stats["packs"] == 2  # the load read nothing
+        _check_slot(pool, loader.load_async("a0", packed=stager.submit("a0").result(5)), ws[0])

@@ -1,6 +1,7 @@
 """serve-sim: trace generator, scheduler and policies (with a scripted-cost engine), the real engine on the
 CPU (outputs identical across policies and equal to a float64 reference), and the CLI's error lines."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ from lora_kernels.adapters import load_peft_adapter
 from lora_kernels.serve_sim import folders
 from lora_kernels.serve_sim.run import SimConfig, compare_records, run_sim, validate
 from lora_kernels.serve_sim.scheduler import POLICIES, SchedulerConfig
-from lora_kernels.serve_sim.sim import StepTiming, simulate
+from lora_kernels.serve_sim.sim import LoadTiming, StepTiming, simulate
 from lora_kernels.serve_sim.trace import Request, generate_trace, parse_dist, parse_range
 
 # -- trace ------------------------------------------------------------------------------------------------
@@ -81,8 +82,17 @@ class ScriptedEngine:
         self.loads.append((a, v))
         return a
 
+    def issue_stage(self, a):
+        raise AssertionError("no host tier: nothing to stage")
+
+    def host_resident(self):
+        return None  # no host tier: every adapter is in host memory
+
+    def host_budget(self):
+        return None
+
     def load_seconds(self, a):
-        return 1e-4 * self.ranks[a]
+        return LoadTiming(0.0, 1e-4 * self.ranks[a], False)
 
     def run_step(self, plan):
         assert 0 < len(plan.batch) <= self.cfg.max_running and plan.num_tokens <= self.cfg.max_batch_tokens
@@ -172,6 +182,111 @@ def test_prefetch_hides_a_queued_requests_load():
     assert t["overlap+prefetch"].stall_s == pytest.approx(1e-3)  # only A's first load (GPU idle)
 
 
+class TieredEngine(ScriptedEngine):
+    """ScriptedEngine with a host tier of `host_slots` adapters (LRU): a load or stage of an adapter not in it
+    reads it (`read_s`); a load then copies it (0.1 ms per rank unit)."""
+
+    def __init__(self, ranks, cfg, host_slots, read_s=5e-3):
+        super().__init__(ranks, cfg)
+        self.host_slots, self.read_s = host_slots, read_s
+
+    def reset(self):
+        super().reset()
+        self.host, self.stages = [], []
+
+    def _host_stage(self, a):
+        cold = a not in self.host
+        if not cold:
+            self.host.remove(a)
+        self.host.append(a)
+        del self.host[: -self.host_slots]
+        return cold
+
+    def issue_load(self, a, v):
+        super().issue_load(a, v)
+        return a, self._host_stage(a)
+
+    def issue_stage(self, a):
+        cold = self._host_stage(a)
+        self.stages += [a] if cold else []  # reads only (a stage of an adapter in host memory is a touch)
+        return None, cold
+
+    def host_resident(self):
+        return set(self.host)
+
+    def host_budget(self):
+        return float(self.host_slots), [1] * len(self.ranks)
+
+    def load_seconds(self, handle):
+        a, cold = handle
+        return LoadTiming(self.read_s if cold else 0.0, 0.0 if a is None else 1e-4 * self.ranks[a], cold)
+
+
+def test_prefetch_reads_a_disk_only_adapter_ahead():
+    """One slot, two requests, host memory for 3 adapters, empty: every load starts with a 5 ms folder read.
+    While A runs, overlap+prefetch reads B's disk-only adapter into host memory (its slot is A's, so no GPU
+    load can start), and B's load is then only the 1 ms copy; overlap and blocking read it after A finishes.
+    With host memory for 1 adapter there is no room to stage beside it: nothing is staged."""
+    tok = np.zeros(40, dtype=np.int64)
+    trace = [Request(0, 0.0, 0, 16, 5, tok[:20]), Request(1, 0.0, 1, 16, 5, tok[:20])]
+    runs = {}
+    for p in POLICIES:
+        cfg = SchedulerConfig(p, num_slots=1, max_running=1, max_batch_tokens=16, chunk=16)
+        eng = TieredEngine([10, 10], cfg, host_slots=3)
+        runs[p] = simulate(trace, cfg, eng), eng
+    step, decode, read, copy = 1e-3 + 16e-5, 1e-3 + 1e-5, 5e-3, 1e-3
+    a_done = read + copy + step + 4 * decode  # A: read + copy (nothing else can run), prefill, 4 decodes
+    res, eng = runs["overlap+prefetch"]
+    assert eng.stages == [1] and res.staged == 1 and res.host_reads == 2
+    assert ("host", read, 2 * read, "read") in res.timeline  # B's read right after A's, while A runs
+    assert res.requests[1].first_token_at == pytest.approx(a_done + copy + step)
+    for p in ("overlap", "blocking"):
+        res, eng = runs[p]
+        assert eng.stages == [] and res.staged == 0 and res.host_reads == 2
+        assert res.requests[1].first_token_at == pytest.approx(a_done + read + copy + step)
+    assert runs["blocking"][0].step_stall_s == pytest.approx(2 * (read + copy))  # both loads stall a step
+    cfg = SchedulerConfig("overlap+prefetch", num_slots=1, max_running=1, max_batch_tokens=16, chunk=16)
+    res = simulate(trace, cfg, TieredEngine([10, 10], cfg, host_slots=1))
+    assert res.staged == 0 and res.requests[1].first_token_at == pytest.approx(a_done + read + copy + step)
+
+
+@pytest.mark.parametrize("host_slots", [2, 3, 6])
+@pytest.mark.parametrize("dist", ["uniform", "zipf:1.2", "distinct", "bursty:4"])
+def test_host_prefetch_does_not_thrash(dist, host_slots):
+    """Staged adapters stay in the LRU host memory until their load: under overlap+prefetch no folder is read
+    more often than loads need (reads <= loads), although most reads are staged ahead."""
+    ranks = [1, 2, 4, 8, 3, 5, 7, 6]
+    cfg = SchedulerConfig("overlap+prefetch", num_slots=3, max_running=4, max_batch_tokens=48, chunk=16)
+    res = simulate(_trace(n=80, rate=400.0, dist=dist, adapters=8, seed=1), cfg,
+                   TieredEngine(ranks, cfg, host_slots=host_slots))
+    assert res.host_reads <= res.loads and (res.staged > 0 or dist.startswith("bursty"))
+
+
+def test_host_hit_skips_the_read_and_reads_are_charged_fifo():
+    """A host-memory hit costs only the copy; two cold loads issued together share the one host worker."""
+    tok = np.zeros(40, dtype=np.int64)
+    trace = [Request(i, 0.0, a, 4, 1, tok[:4]) for i, a in enumerate([0, 1, 0])]
+    cfg = SchedulerConfig("blocking", num_slots=2, max_running=1, max_batch_tokens=16, chunk=16)
+    eng = TieredEngine([10, 10], cfg, host_slots=2)
+    eng.reset()
+    eng.host = [0]  # adapter 0 is in host memory from the start
+    eng.reset = lambda: None
+    res = simulate(trace, cfg, eng)
+    assert res.host_reads == 1 and res.loads == 2  # 0: a copy only (hit); 1: read + copy; 0 again: resident
+    step = 1e-3 + 4e-5
+    assert res.requests[0].first_token_at == pytest.approx(1e-3 + step)
+    assert res.requests[1].first_token_at == pytest.approx(1e-3 + step + 5e-3 + 1e-3 + step)
+    # Two cold loads issued at t = 0: the second read waits for the first, its copy for its read.
+    trace = [Request(i, 0.0, a, 4, 1, tok[:4]) for i, a in enumerate([0, 1])]
+    cfg = SchedulerConfig("blocking", num_slots=2, max_running=2, max_batch_tokens=16, chunk=16)
+    res = simulate(trace, cfg, TieredEngine([10, 30], cfg, host_slots=2))
+    lanes = [t for t in res.timeline if t[0] != "compute"]
+    assert [(lane, kind) for lane, _, _, kind in lanes] == [("host", "read"), ("copy", "load")] * 2
+    times = [t for _, s, e, _ in lanes for t in (s, e)]
+    assert times == pytest.approx([0, 5e-3, 5e-3, 6e-3, 5e-3, 10e-3, 10e-3, 13e-3])
+    assert res.requests[0].first_token_at == pytest.approx(13e-3 + 1e-3 + 8e-5)
+
+
 def test_scheduler_config_rejects():
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig("eager", 4)
@@ -185,7 +300,7 @@ def test_scheduler_config_rejects():
 
 TINY = dict(model="tiny", layers=1, adapters=5, slots=2, ranks="4,8,16", rate=400.0, requests=14,
             input_len="3:20", output_len="1:5", chunk=8, max_running=4, max_batch_tokens=24, device="cpu",
-            backend="torch", sample="all")
+            backend="torch", sample="all", host_budget="50%")  # ~2.5 of 5 adapters in host memory, the rest on disk
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +313,56 @@ def test_outputs_identical_across_policies(cpu_report):
     chk = cpu_report.check["torch"]
     assert chk["identical"] and chk["requests"] == 14 and chk["max_rel_diff"] == 0.0
     assert chk["positions_compared"] == 2 * sum(r.req.num_positions for r in cpu_report.results["blocking"].requests)
-    assert all(res.loads > 0 for res in cpu_report.results.values())
+    assert all(res.loads > 0 and res.host_reads > 0 for res in cpu_report.results.values())
     assert cpu_report.results["blocking"].evictions > 0  # 5 adapters over 2 slots: slots were reused
+    blocking = cpu_report.results["blocking"]
+    assert blocking.step_stall_s >= blocking.host_read_s > 0  # blocking waits for its folder reads in the step
+    assert cpu_report.host["budget_adapters"] == pytest.approx(2.5)
+
+
+def test_engine_host_tier_reads_folders_evicts_and_stages(tmp_path, monkeypatch):
+    """Host memory for one adapter: a cold load reads its folder on the stager's worker thread and copies it
+    into the slot bit for bit; a host-only stage reads a disk-only adapter without taking a slot and evicts
+    the first from host memory (LRU), so that loading the first again reads its folder again."""
+    import threading
+
+    from lora_kernels.adapters import host_store
+    from lora_kernels.serve_sim.run import adapter_folders, make_engine
+
+    cfg = validate(SimConfig(**{**TINY, "adapters": 3, "ranks": "8", "host_budget": "34%"}, cache_dir=str(tmp_path)))
+    paths = adapter_folders(cfg)
+    engine = make_engine(cfg, paths)
+    reads = []
+    orig = host_store.load_peft_adapter
+
+    def spy(path, *args, **kw):
+        reads.append((folders.Path(path).name, threading.current_thread().name))
+        return orig(path, *args, **kw)
+
+    monkeypatch.setattr(host_store, "load_peft_adapter", spy)
+    try:
+        engine.reset()
+        assert engine.host_resident() == set() and engine.host_capacity_adapters() == pytest.approx(1.02, rel=1e-4)
+        t = engine.load_seconds(engine.issue_load(0, None))
+        assert t.cold and t.host_s > 0 and reads == [("adapter_000", reads[0][1])]
+        assert reads[0][1].startswith("lora-host-stage") and engine.host_resident() == {0}
+        t = engine.load_seconds(engine.issue_stage(1))  # prefetch into host memory: no slot taken
+        assert t.cold and t.h2d_s == 0 and engine.loader.slot_of("adapter_001") is None
+        assert engine.host_resident() == {1}  # adapter 0 dropped (LRU): it lives only on disk again
+        t = engine.load_seconds(engine.issue_load(1, None))
+        assert not t.cold and t.host_s == 0 and len(reads) == 2  # host hit: the copy only
+        t = engine.load_seconds(engine.issue_load(2, 0))
+        t = engine.load_seconds(engine.issue_load(0, 1))  # back from disk
+        assert t.cold and [name for name, _ in reads] == ["adapter_000", "adapter_001", "adapter_002", "adapter_000"]
+        w = load_peft_adapter(paths[0], cfg.spec(), dtype=torch.float32)
+        slot = engine.loader.slot_of("adapter_000")
+        for (layer, g), a in w.lora_a.items():
+            pa, pb, _ = engine.pool.weights(layer, g)
+            n = cfg.spec().group(g).num_slices
+            assert all(torch.equal(pa[slot][i * 8:(i + 1) * 8], a[i * 8:(i + 1) * 8]) for i in range(n))
+            assert torch.equal(pb[slot][:, :8], w.lora_b[(layer, g)])
+    finally:
+        engine.close()
 
 
 def test_recorded_lora_outputs_match_float64_reference(cpu_report):
@@ -230,7 +393,8 @@ def test_check_detects_a_wrong_adapter(tmp_path, monkeypatch):
     The cross-policy comparison must flag exactly the requests that use adapter 2."""
     from lora_kernels.serve_sim import engine as engine_mod
 
-    cfg = SimConfig(**TINY, dist="uniform", cache_dir=str(tmp_path), policies=("blocking", "overlap"))
+    cfg = SimConfig(**{**TINY, "host_budget": "all"}, dist="uniform", cache_dir=str(tmp_path),
+                    policies=("blocking", "overlap"))
     orig = engine_mod.ModelEngine.issue_load
     calls = {"policy": 0}
 
@@ -242,7 +406,8 @@ def test_check_detects_a_wrong_adapter(tmp_path, monkeypatch):
         if calls["policy"] == 2 and adapter == 2:
             self.keys[2], saved = self.keys[1], self.keys[2]
             try:
-                self.store._packed[saved] = self.store.get(self.keys[1])
+                wrong = self.store.get(self.keys[1])  # adapter 1's weights, labelled as adapter 2's
+                self.store._packed[saved] = dataclasses.replace(wrong, adapter_id=saved, plans={})
             finally:
                 self.keys[2] = saved
         return orig(self, adapter, victim)
@@ -264,6 +429,7 @@ def test_check_detects_a_wrong_adapter(tmp_path, monkeypatch):
     (dict(model="gpt-5"), "--model"), (dict(dist="zipf:-1"), "--dist"), (dict(rate=0), "--rate"),
     (dict(max_rank=1000), "--max-rank"), (dict(chunk=512, max_batch_tokens=64), "--max-batch-tokens"),
     (dict(policies=("fast",)), "--policy"), (dict(input_len="5:2"), "--input-len"),
+    (dict(host_budget="0%"), "--host-budget"), (dict(host_budget="lots"), "--host-budget"),
 ])
 def test_validate_names_the_option(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -312,31 +478,3 @@ def test_cli_json_run(capsys, tmp_path):
     assert [p["policy"] for p in rep["policies"]] == list(POLICIES)
     assert rep["check"]["torch"]["identical"] and rep["policies"][0]["requests"] == 8
     assert set(rep["vs_blocking"]) == {"overlap", "overlap+prefetch"}
-
-
-# -- the cost model that picks benchmark rates -------------------------------------------------------------
-
-
-def test_cost_model_recovers_scripted_costs_and_finds_the_knee():
-    from lora_kernels.serve_sim.costmodel import MeasuringEngine, knee_rate
-
-    ranks = [1, 2, 4, 8, 3, 5, 7, 6]
-    cfg = SchedulerConfig("blocking", 3, max_running=4, max_batch_tokens=48, chunk=16)
-    meas = MeasuringEngine(ScriptedEngine(ranks, cfg), ranks)
-    trace = _trace(n=60, rate=float("inf"), dist="uniform", adapters=8, seed=5)
-    res = simulate(trace, cfg, meas)
-    model = meas.fit()
-    assert model.coef == pytest.approx([1e-3, 1e-5, 0.0], abs=1e-9)  # ScriptedEngine: 1 ms + 10 us/row
-    assert all(model.load_s[r] == pytest.approx(1e-4 * r) for r in ranks)
-
-    def make(rate):
-        return _trace(n=60, rate=rate, dist="uniform", adapters=8, seed=5)
-
-    capacity = 60 / res.makespan
-    rate, info = knee_rate(make, cfg, model, capacity, knee=3.0)
-    from lora_kernels.serve_sim.metrics import summarize
-
-    at = summarize(simulate(make(rate), cfg, model))["ttft_p50_ms"]
-    above = summarize(simulate(make(rate * 1.3), cfg, model))["ttft_p50_ms"]
-    light = info["unloaded_ttft_p50_ms"]
-    assert at <= 3 * light < above  # the knee: below it within 3x the unloaded TTFT, clearly past it beyond

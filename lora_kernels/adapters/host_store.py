@@ -100,7 +100,9 @@ class HostAdapterStore:
     """Packed adapters by id, bounded by `capacity_bytes` (None = unbounded), least recently used dropped first.
 
     `register(id, weights)` packs now; `register_path(id, path)` records a PEFT folder that is read and
-    packed on first `get` (and again after being dropped). `get(id)` marks the adapter recently used.
+    packed on first `get` (and again after being dropped). `get(id)` marks the adapter recently used;
+    `lookup(id)` does too but never reads (None when not packed). A serving engine runs the reading
+    `get` of a cold adapter off its scheduler thread (`host_stage.HostStager`).
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16, capacity_bytes: int | None = None,
@@ -143,6 +145,19 @@ class HostAdapterStore:
     def register_path(self, adapter_id: str, path: str | Path) -> None:
         with self._lock:
             self._paths[adapter_id] = Path(path)
+
+    def lookup(self, adapter_id: str) -> PackedAdapter | None:
+        """The packed adapter if the store holds it (marked recently used), else None; never reads a folder."""
+        with self._lock:
+            packed = self._packed.get(adapter_id)
+            if packed is not None:
+                self._packed.move_to_end(adapter_id)
+            return packed
+
+    def packed_ids(self) -> list[str]:
+        """Ids of the adapters held packed now, least recently used first."""
+        with self._lock:
+            return list(self._packed)
 
     def get(self, adapter_id: str) -> PackedAdapter:
         with self._lock:

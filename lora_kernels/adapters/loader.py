@@ -100,21 +100,28 @@ class AdapterLoader:
 
     # -- loading -------------------------------------------------------------------------------------------
 
-    def load_async(self, adapter_id: Hashable, victim: Hashable | None = None) -> int:
+    def load_async(self, adapter_id: Hashable, victim: Hashable | None = None,
+                   packed: PackedAdapter | None = None) -> int:
         """The adapter's slot, starting its load on the load stream if it is not resident.
 
         victim: a resident adapter to replace (a prefetch plan's choice; it must be evictable); by
-        default a free slot, else the least recently used evictable one. Raises RuntimeError when no
-        slot can be taken (every slot acquired or still loading, or `victim` is not evictable),
-        KeyError when the store does not know the adapter, ValueError when its rank exceeds the
-        pool's max rank.
+        default a free slot, else the least recently used evictable one. packed: the adapter's host
+        buffer when a host stage already produced it (`HostStager`); by default `store.get`, which
+        reads and packs a cold adapter's folder here, on the caller's thread. Raises RuntimeError
+        when no slot can be taken (every slot acquired or still loading, or `victim` is not
+        evictable), KeyError when the store does not know the adapter, ValueError when its rank
+        exceeds the pool's max rank or `packed` is another adapter's.
         """
         slot = self._slot_of.get(adapter_id)
         if slot is not None:
             self._slot_of.move_to_end(adapter_id)
             self.stats["hits"] += 1
             return slot
-        packed = self.store.get(adapter_id)
+        if packed is None:
+            packed = self.store.get(adapter_id)
+        elif packed.adapter_id != adapter_id or packed.dtype != self.pool.dtype:
+            raise ValueError(f"packed adapter {packed.adapter_id!r} ({packed.dtype}) given for adapter "
+                             f"{adapter_id!r} ({self.pool.dtype})")
         if packed.rank > self.pool.max_rank:
             raise ValueError(f"adapter {adapter_id!r} has rank {packed.rank}, above the pool's max rank "
                              f"{self.pool.max_rank}")

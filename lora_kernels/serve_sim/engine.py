@@ -8,9 +8,17 @@ token: a request's outputs cannot depend on how it was batched, which is what th
 check relies on. Layer 0's input is the token embedding itself (no norm), so its LoRA outputs depend
 only on the token, the adapter and the kernel.
 
-Timing (see sim.py): on CUDA, every step's GPU work (and the loads issued with it) is queued behind a
+Adapter memory is three tiers: the PEFT folders on disk, a `HostAdapterStore` of packed (pinned) buffers
+bounded by `host_budget` (LRU by bytes; "all" = every adapter packed at start, no disk reads in the
+run), and the GPU pool. A load's host stage (`store.get`: read, parse, pack) runs on a `HostStager`
+worker thread under every policy, timed there with wall time; its H2D copy is issued through
+`AdapterLoader.load_async(packed=...)` in issue order, once the host stage is done, before the next
+step is queued (the scheduler has already placed the load in simulated time; waiting here for a read
+is real time only, never on the clock).
+
+Timing (see sim.py): on CUDA, every step's GPU work (and the copies issued with it) is queued behind a
 "gate" — a sleep kernel on the compute stream, which the load stream waits for too, lasting 1.25x the
-host's recent queueing time — so that the CUDA events around the step and around each load time GPU
+host's recent queueing time — so that the CUDA events around the step and around each copy time GPU
 work only, never host launch gaps. If the gate ends before the host has queued the whole step (a
 Triton compile, a GC pause), the step's forward, which has no side effects, is timed again behind a
 longer gate (`remeasured_steps`); `unfed_steps` counts steps that stayed unfed after 4 tries. On the
@@ -31,9 +39,42 @@ import numpy as np
 import torch
 
 from lora_kernels import BatchInfoBuilder, apply_lora
-from lora_kernels.adapters import AdapterLoader, GpuAdapterPool, HostAdapterStore, ModelSpec
+from lora_kernels.adapters import AdapterLoader, GpuAdapterPool, HostAdapterStore, HostStager, ModelSpec
+from lora_kernels.adapters.host_stage import HostStage
 from lora_kernels.serve_sim.scheduler import StepPlan
-from lora_kernels.serve_sim.sim import StepTiming
+from lora_kernels.serve_sim.sim import LoadTiming, StepTiming
+
+_LOAD_GATE_S = 2e-3  # gate time per copy issued behind it (a load_async call takes ~0.5 ms of host time)
+
+
+def parse_host_budget(spec: str) -> tuple[str, float]:
+    """'all' | 'P%' (share of the adapters' packed bytes) | 'N[MB|GB]' -> (kind, value); raises ValueError."""
+    text = str(spec).strip().upper()
+    try:
+        if text == "ALL":
+            return "all", 0.0
+        if text.endswith("%"):
+            value = float(text[:-1])
+            if 0 < value <= 100:
+                return "share", value / 100
+        else:
+            scale = 1024.0 if text.endswith("GB") else 1.0
+            value = float(text.removesuffix("GB").removesuffix("MB")) * scale
+            if value > 0:
+                return "bytes", value * 2 ** 20
+    except ValueError:
+        pass
+    raise ValueError(f"--host-budget must be all, P% (a share of the adapters' bytes, 0 < P <= 100) or a size such "
+                     f"as 512MB or 2GB, got {spec!r}")
+
+
+@dataclass
+class _Load:
+    key: str
+    victim: str | None
+    stage: HostStage
+    h2d: object = None  # CPU: measured seconds; CUDA: (start, end) events on the load stream
+
 
 @dataclass
 class Records:
@@ -59,18 +100,33 @@ class Records:
 class ModelEngine:
     def __init__(self, spec: ModelSpec, adapter_dirs: list[Path], *, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, backend: str | None, max_tokens: int, max_segments: int,
-                 vocab: int = 4096, seed: int = 0, record: Records | None = None):
+                 vocab: int = 4096, seed: int = 0, record: Records | None = None, host_budget: str = "all"):
         self.spec, self.dtype, self.device, self.backend = spec, dtype, torch.device(device), backend
         self.max_tokens, self.record = max_tokens, record
         self.is_cuda = self.device.type == "cuda"
         self.keys = [f"adapter_{k:03d}" for k in range(len(adapter_dirs))]
+        self._index = {key: k for k, key in enumerate(self.keys)}
         self.store = HostAdapterStore(spec, dtype, pin=self.is_cuda, max_rank=max_rank)
         for key, path in zip(self.keys, adapter_dirs):
             self.store.register_path(key, path)
-        # Read and pack every adapter now (a load in the run is then only the copy); the store is
-        # thread-safe and reading releases the GIL, so a few threads cut the start-up time.
+        # Read and pack every adapter once now: a bad folder fails here, with its name, and the ranks and
+        # packed sizes are known. The store is thread-safe and reading releases the GIL, so a few threads
+        # cut the start-up time.
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            self.ranks = [p.rank for p in pool.map(self.store.get, self.keys)]
+            packed = [(p.rank, p.nbytes) for p in pool.map(self.store.get, self.keys)]
+        self.ranks = [r for r, _ in packed]
+        self.packed_bytes = [n for _, n in packed]
+        kind, value = parse_host_budget(host_budget)
+        # A share is raised to the largest adapter if it is below (a few adapters); a size is taken as given.
+        budget = {"all": None, "share": max(value * sum(self.packed_bytes), max(self.packed_bytes)),
+                  "bytes": value}[kind]
+        if budget is not None and budget < max(self.packed_bytes):
+            raise ValueError(f"--host-budget {host_budget} is {budget / 2 ** 20:.1f} MB, less than the largest "
+                             f"adapter's {max(self.packed_bytes) / 2 ** 20:.1f} MB")
+        self.host_tier = budget is not None
+        self.store.capacity_bytes = None if budget is None else int(budget)
+        self.stager = HostStager(self.store)
+        self._queued: list[_Load] = []  # loads whose copy is not issued yet, in issue order
         self.pool = GpuAdapterPool(spec, num_slots, max_rank, dtype, self.device)
         self.builder = BatchInfoBuilder(max_tokens, max_segments, self.pool.lora_ranks, self.pool.scalings)
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -88,7 +144,14 @@ class ModelEngine:
         self._host_s: deque[float] = deque(maxlen=16)  # host queueing time of recent fed steps
         self.unfed_steps = self.remeasured_steps = self.unfed_loads = 0
         self.steps = 0
-        self._pending_gate = None
+
+    def close(self) -> None:
+        self.stager.close()
+
+    def host_capacity_adapters(self) -> float:
+        """The host budget in adapters of the mean packed size (inf: every adapter)."""
+        cap = self.store.capacity_bytes
+        return float("inf") if cap is None else cap / (sum(self.packed_bytes) / len(self.packed_bytes))
 
     # -- timing helpers -------------------------------------------------------------------------------
 
@@ -123,45 +186,76 @@ class ModelEngine:
     def reset(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize()
+        if self.host_tier:  # every policy starts with an empty host tier, as with an empty GPU pool
+            for key in self.store.packed_ids():
+                self.store.drop(key)
         self.loader = AdapterLoader(self.pool, self.store)
+        self._queued.clear()
         self.unfed_steps = self.remeasured_steps = self.unfed_loads = 0
         self.steps = 0
-        self._pending_gate = None
         if self.record is not None:
             for b in self.record.backends:
                 self.record.digests.setdefault(b, {})
                 self.record.rows.setdefault(b, {})
 
-    def issue_load(self, adapter: int, victim: int | None):
-        key, vkey = self.keys[adapter], None if victim is None else self.keys[victim]
-        if not self.is_cuda:
-            t0 = time.thread_time()
-            self.loader.load_async(key, victim=vkey)
-            return time.thread_time() - t0
-        if self._pending_gate is None:
-            self._pending_gate = self._open_gate(self._gate_len())
-        stream = self.loader.load_stream
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(stream)
-        self.loader.load_async(key, victim=vkey)
-        e1.record(stream)
-        return (e0, e1)
+    def host_resident(self) -> set | None:
+        return {self._index[k] for k in self.store.packed_ids()} if self.host_tier else None
 
-    def load_seconds(self, handle) -> float:
-        if not self.is_cuda:
-            return handle
-        if self._pending_gate is not None:  # loads issued in an iteration without a step: close their gate
-            self.unfed_loads += bool(self._pending_gate[0].query())
-            self._pending_gate = None
-        e0, e1 = handle
-        e1.synchronize()
-        return e0.elapsed_time(e1) * 1e-3
+    def host_budget(self) -> tuple[float, list[int]] | None:
+        return (self.store.capacity_bytes, self.packed_bytes) if self.host_tier else None
+
+    def issue_load(self, adapter: int, victim: int | None) -> _Load:
+        load = _Load(self.keys[adapter], None if victim is None else self.keys[victim],
+                     self.stager.submit(self.keys[adapter]))
+        self._queued.append(load)
+        return load
+
+    def issue_stage(self, adapter: int) -> HostStage:
+        return self.stager.submit(self.keys[adapter])
+
+    def load_seconds(self, handle) -> LoadTiming:
+        if isinstance(handle, HostStage):
+            handle.result()
+            return LoadTiming(handle.seconds, 0.0, handle.cold)
+        if handle.h2d is None:  # loads issued in an iteration without a step
+            self._issue_queued(0.0)
+        if self.is_cuda:
+            e0, e1 = handle.h2d
+            e1.synchronize()
+            h2d_s = e0.elapsed_time(e1) * 1e-3
+        else:
+            h2d_s = handle.h2d
+        return LoadTiming(handle.stage.seconds, h2d_s, handle.stage.cold)
+
+    def _issue_queued(self, gate_s: float):
+        """Issues the copies of the queued loads, in issue order, once their host stages are done; on CUDA
+        behind a gate of `gate_s` plus room for the copies, returned (None when nothing was queued)."""
+        if not self._queued:
+            return None
+        packed = [load.stage.result() for load in self._queued]  # real time only (the clock placed them)
+        gate = self._open_gate(gate_s + _LOAD_GATE_S * len(self._queued)) if self.is_cuda else None
+        for load, p in zip(self._queued, packed):
+            if not self.is_cuda:
+                t0 = time.thread_time()
+                self.loader.load_async(load.key, victim=load.victim, packed=p)
+                load.h2d = time.thread_time() - t0
+                continue
+            stream = self.loader.load_stream
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record(stream)
+            self.loader.load_async(load.key, victim=load.victim, packed=p)
+            e1.record(stream)
+            load.h2d = (e0, e1)
+        if gate is not None and gate[0].query():  # the GPU passed the gate before the copies were queued
+            self.unfed_loads += 1
+        self._queued.clear()
+        return gate
 
     def run_step(self, plan: StepPlan) -> StepTiming:
+        gate = self._issue_queued(self._gate_len() if self.is_cuda else 0.0)
         t_prep = time.perf_counter()
         if self.is_cuda:
-            gate, t_gate = self._pending_gate or self._open_gate(self._gate_len())
-            self._pending_gate = None
+            gate, t_gate = gate or self._open_gate(self._gate_len())
         keys = [None if r.adapter is None else self.keys[r.adapter] for r, _ in plan.batch]
         slots = self.loader.acquire(keys)
         info = self.builder.build([n for _, n in plan.batch], slots)

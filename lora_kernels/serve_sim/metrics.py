@@ -27,6 +27,7 @@ def summarize(res: SimResult) -> dict:
         "rows_per_s": res.tokens / span if span > 0 else float("nan"),  # prompt + decode rows
         "makespan_s": span,
         "loads": res.loads, "evictions": res.evictions,
+        "host_reads": res.host_reads, "host_read_ms": 1e3 * res.host_read_s, "staged": res.staged,
         "stall_ms": 1e3 * res.stall_s,
         "busy_ms": 1e3 * res.busy_s,
         "gpu_util": res.busy_s / span if span > 0 else float("nan"),
@@ -38,7 +39,8 @@ def summarize(res: SimResult) -> dict:
 
 COLUMNS = [("policy", "policy", "{}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "p99", "{:.1f}"),
            ("e2e_p50_ms", "E2E p50 ms", "{:.1f}"), ("e2e_p99_ms", "p99", "{:.1f}"),
-           ("tokens_per_s", "tok/s", "{:.0f}"), ("loads", "loads", "{}"), ("stall_ms", "stalled on loads ms", "{:.1f}"),
+           ("tokens_per_s", "tok/s", "{:.0f}"), ("loads", "loads", "{}"), ("host_reads", "folder reads", "{}"),
+           ("stall_ms", "stalled on loads ms", "{:.1f}"),
            ("gpu_util", "busy", "{:.0%}"), ("host_prep_us_per_step", "host prep us/step", "{:.0f}")]
 
 

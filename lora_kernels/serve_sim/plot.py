@@ -1,11 +1,12 @@
-"""The serve-sim picture: per policy, a timeline of the compute stream and the copy engine over one
-window of the run, and the CDFs of TTFT and E2E latency. matplotlib is imported only here."""
+"""The serve-sim picture: per policy, a timeline of the compute stream, the copy engine and the host-stage
+worker over one window of the run, and the CDFs of TTFT and E2E latency. matplotlib is imported only here."""
 
 from __future__ import annotations
 
 import numpy as np
 
-COLORS = {"prefill": "#3b6fb6", "decode": "#9cc3e6", "stall": "#d62728", "load": "#f0a030"}
+COLORS = {"prefill": "#3b6fb6", "decode": "#9cc3e6", "stall": "#d62728", "load": "#f0a030", "read": "#7f7f7f"}
+LANES = (("compute", "GPU"), ("copy", "copy"), ("host", "host read"))  # top to bottom within a policy
 
 
 def plot_data(report) -> dict:
@@ -50,14 +51,16 @@ def plot(data: dict, path: str) -> None:
         raise ImportError(f"--plot needs matplotlib (pip install matplotlib): {e}") from None
     runs = data["policies"]
     policies = list(runs)
-    fig = plt.figure(figsize=(12, 3 + 1.1 * len(policies)))
-    grid = fig.add_gridspec(2, 2, height_ratios=[1.1 * len(policies), 3])
+    fig = plt.figure(figsize=(12, 3 + 1.5 * len(policies)))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.5 * len(policies), 3])
     ax_t = fig.add_subplot(grid[0, :])
     lo, hi = _window(runs.get("blocking", runs[policies[0]])["timeline"])
     ticks, labels = [], []
+    lanes = [(lane, label) for lane, label in LANES
+             if any(t[0] == lane for run in runs.values() for t in run["timeline"])]
     for i, name in enumerate(policies):
-        y = (len(policies) - 1 - i) * 3
-        for lane, dy in (("compute", 1), ("copy", 0)):
+        y = (len(policies) - 1 - i) * (len(lanes) + 1)
+        for dy, (lane, lane_label) in zip(range(len(lanes) - 1, -1, -1), lanes):
             for kind in COLORS:
                 bars = [(s, e - s) for ln, s, e, k in runs[name]["timeline"]
                         if ln == lane and k == kind and e > lo and s < hi]
@@ -65,12 +68,13 @@ def plot(data: dict, path: str) -> None:
                     ax_t.broken_barh([(1e3 * s, 1e3 * w) for s, w in bars], (y + dy, 0.8), color=COLORS[kind],
                                      edgecolor="white", linewidth=0.3)
             ticks.append(y + dy + 0.4)
-            labels.append(f"{name}: {'GPU' if lane == 'compute' else 'copy'}")
+            labels.append(f"{name}: {lane_label}")
     ax_t.set_yticks(ticks, labels)
     ax_t.set_xlim(1e3 * lo, 1e3 * hi)
     ax_t.set_xlabel("simulated time (ms)")
     ax_t.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
-                labels=["prefill step", "decode step", "stalled on a load", "adapter load"], ncol=4,
+                labels=["prefill step", "decode step", "stalled on a load", "adapter copy (H2D)",
+                        "host stage (folder read + pack)"], ncol=5,
                 loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, frameon=False)
     ax_t.set_title(data["title"], fontsize=10)
     for j, (key, label) in enumerate((("ttft_ms", "TTFT"), ("e2e_ms", "E2E latency"))):

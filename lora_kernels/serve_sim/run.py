@@ -19,7 +19,7 @@ import torch
 from lora_kernels.adapters.spec import ModelSpec
 from lora_kernels.ops import MAX_RANK, resolve_backend
 from lora_kernels.serve_sim import folders
-from lora_kernels.serve_sim.engine import ModelEngine, Records
+from lora_kernels.serve_sim.engine import ModelEngine, Records, parse_host_budget
 from lora_kernels.serve_sim.metrics import compare, summarize
 from lora_kernels.serve_sim.scheduler import POLICIES, SchedulerConfig
 from lora_kernels.serve_sim.sim import SimResult, simulate
@@ -53,6 +53,10 @@ class SimConfig:
     max_batch_tokens: int = 256
     max_prefetch: int = 4
     lookahead: int | None = None
+    # Host memory for packed adapters: 'all' (every adapter packed at start: loads are copies only), 'P%'
+    # of the adapters' packed bytes, or a size ('512MB'); the rest are read from their folders on demand.
+    # 25% of 16 adapters ~ 4 adapters = the slots, as vLLM's default max_cpu_loras = max_loras.
+    host_budget: str = "25%"
     policies: tuple[str, ...] = POLICIES
     dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA
     device: str | None = None
@@ -88,6 +92,7 @@ def validate(cfg: SimConfig) -> SimConfig:
     if not (cfg.rate > 0):
         raise ValueError(f"--rate must be > 0 requests/s (inf: all at once), got {cfg.rate}")
     kind, _ = parse_dist(cfg.dist)
+    parse_host_budget(cfg.host_budget)
     parse_range(cfg.input_len, "--input-len")
     parse_range(cfg.output_len, "--output-len")
     if cfg.max_batch_tokens < cfg.chunk:
@@ -145,7 +150,7 @@ def make_trace(cfg: SimConfig, num_adapters: int, vocab: int = 4096):
 def make_engine(cfg: SimConfig, paths: list[Path]) -> ModelEngine:
     return ModelEngine(cfg.spec(), paths, num_slots=cfg.slots, max_rank=cfg.max_rank, dtype=DTYPES[cfg.dtype],
                        device=torch.device(cfg.device), backend=cfg.backend, max_tokens=cfg.max_batch_tokens,
-                       max_segments=cfg.max_running, seed=cfg.seed)
+                       max_segments=cfg.max_running, seed=cfg.seed, host_budget=cfg.host_budget)
 
 
 def scheduler_config(cfg: SimConfig, policy: str) -> SchedulerConfig:
@@ -183,11 +188,19 @@ class Report:
     check: dict = field(default_factory=dict)
     unfed_steps: dict = field(default_factory=dict)
     adapter_ranks: list[int] = field(default_factory=list)
+    host: dict = field(default_factory=dict)  # host tier: budget_mb, adapters_mb, budget_adapters
 
     def to_json(self) -> dict:
-        return {"config": dataclasses.asdict(self.config), "policies": self.rows, "vs_blocking": compare(self.rows),
-                "check": self.check, "unfed_steps": self.unfed_steps,
-                "clock": "simulated: measured step times (CUDA events / CPU wall time) + measured copy times"}
+        return {"config": dataclasses.asdict(self.config), "host": self.host, "policies": self.rows,
+                "vs_blocking": compare(self.rows), "check": self.check, "unfed_steps": self.unfed_steps,
+                "clock": "simulated: measured step times (CUDA events / CPU thread time), host-stage wall times "
+                         "(worker thread) and copy times, each stage on its own FIFO resource"}
+
+
+def host_info(engine: ModelEngine) -> dict:
+    cap = engine.store.capacity_bytes
+    return {"budget_mb": None if cap is None else cap / 2 ** 20, "adapters_mb": sum(engine.packed_bytes) / 2 ** 20,
+            "budget_adapters": engine.host_capacity_adapters()}
 
 
 def compare_records(records: dict[str, Records], backend: str) -> dict:
@@ -219,7 +232,7 @@ def run_sim(cfg: SimConfig, progress: Progress | None = None) -> Report:
     paths = adapter_folders(cfg, progress)
     engine = make_engine(cfg, paths)
     trace = make_trace(cfg, len(paths))
-    report = Report(cfg, [], {}, adapter_ranks=engine.ranks)
+    report = Report(cfg, [], {}, adapter_ranks=engine.ranks, host=host_info(engine))
     backends = tuple(dict.fromkeys(cfg.check_backends + (cfg.backend,))) if cfg.check else ()
     threads = torch.get_num_threads()
     if engine.device.type == "cpu":
@@ -230,6 +243,7 @@ def run_sim(cfg: SimConfig, progress: Progress | None = None) -> Report:
         _run_policies(cfg, engine, trace, report, backends, progress)
     finally:
         torch.set_num_threads(threads)
+        engine.close()
     if cfg.check and len(report.records) > 1:
         report.check = {b: compare_records(report.records, b) for b in backends}
     return report

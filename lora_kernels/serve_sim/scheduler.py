@@ -12,14 +12,21 @@ Each step (decided at simulated time `now`, when the previous step has finished)
                        behind it that are ready go ahead; it joins the first step after the load is
                        ready (the overlap rule, `prefetch.split_ready`);
      overlap+prefetch  as overlap, and adapters of requests further back in the queue are loaded
-                       ahead (`prefetch.plan_prefetch`, at most `max_prefetch` loads in flight).
+                       ahead (`prefetch.plan_prefetch`, at most `max_prefetch` loads in flight);
+                       with a host tier, the next adapters the queue needs that hold no GPU slot (at
+                       most `max_prefetch`, and only as many bytes as host memory holds beside this step's
+                       cold loads and one more adapter) are read from disk into host memory ahead (a
+                       host-only stage; one already there is touched, so LRU keeps it), and their GPU
+                       load is later only the copy.
    A request whose adapter has no slot (all held by running or nearer requests) waits under every
    policy; requests behind it may go ahead.
    "On demand" means: the requests this step would admit if every adapter were resident.
 
-The scheduler only decides; `AdapterState` is its view of the pool in simulated time (which adapters
-hold a slot and when each load is ready). The simulator issues the chosen loads through the real
-`AdapterLoader` and advances the clock.
+A load is the whole path: disk -> host memory (the host stage, skipped when the host store holds the
+adapter) -> GPU slot. The scheduler only decides; `AdapterState` is its view of the pool in simulated
+time (which adapters hold a slot and when each load is ready) and of the host tier (which adapters are
+in host memory or being read into it). The simulator issues the chosen loads and stages through the
+real host stager and `AdapterLoader` and advances the clock.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from lora_kernels.adapters.prefetch import plan_prefetch
+from lora_kernels.adapters.prefetch import first_need, plan_prefetch
 from lora_kernels.serve_sim.trace import Request
 
 POLICIES = ("blocking", "overlap", "overlap+prefetch")
@@ -77,12 +84,16 @@ class RequestState:
 
 class AdapterState:
     """The scheduler's view of the slot pool in simulated time: resident adapters, when each one's load
-    is (or was) ready (None: issued, duration not measured yet), and recency of use."""
+    is (or was) ready (None: issued, duration not measured yet), and recency of use; and of the host
+    tier: `host`, the adapters in host memory or being read into it (None: no host tier, every adapter
+    is in host memory), its capacity and each adapter's size there, in bytes."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, host_capacity: float | None = None, host_bytes=()):
         self.num_slots = num_slots
         self.ready_at: dict = {}
         self.lru: OrderedDict = OrderedDict()
+        self.host: set | None = None
+        self.host_capacity, self.host_bytes = host_capacity, host_bytes
 
     def is_ready(self, a, now: float) -> bool:
         t = self.ready_at.get(a, float("inf"))
@@ -111,6 +122,7 @@ class AdapterState:
 class StepPlan:
     batch: list[tuple[RequestState, int]] = field(default_factory=list)  # (request, rows) in row order
     loads: list[tuple[object, object]] = field(default_factory=list)  # (adapter, victim or None)
+    stages: list = field(default_factory=list)  # adapters to read into host memory only (no slot yet)
     waits_on_load: bool = False  # a waiting request is held back only by a load in flight
 
     @property
@@ -189,8 +201,25 @@ class Scheduler:
                 cache.start_load(a, v)
                 plan.loads.append((a, v))
                 plan.waits_on_load = True
+            if cache.host is not None:
+                self._stage_ahead(waiting, cache, plan)
         cache.touch(r.adapter for r, _ in plan.batch)
         return plan
+
+    def _stage_ahead(self, waiting: list[RequestState], cache: AdapterState, plan: StepPlan) -> None:
+        """Host-tier prefetch: adapters the queue needs soonest that hold no GPU slot, within a byte window
+        that this step's cold loads and one more adapter cannot push out of the LRU host memory (else
+        staged adapters would evict each other before use)."""
+        size = cache.host_bytes
+        room = cache.host_capacity - max(size) - sum(size[a] for a, _ in plan.loads if a not in cache.host)
+        for a in first_need(r.adapter for r in waiting):
+            if a in cache.ready_at:
+                continue
+            if len(plan.stages) == self.cfg.max_prefetch or size[a] > room:
+                break
+            room -= size[a]
+            cache.host.add(a)
+            plan.stages.append(a)  # a read if not in host memory, else a touch
 
     def complete(self, plan: StepPlan, t_end: float) -> list[RequestState]:
         """Advances every request of `plan` by its rows at simulated time t_end; returns those finished."""

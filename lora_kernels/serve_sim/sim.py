@@ -1,4 +1,4 @@
-"""The serving-trace replay: a simulated clock driven by measured step and copy times.
+"""The serving-trace replay: a simulated clock driven by measured step, host-stage and copy times.
 
 The clock (documented in bench/RESULTS.md and the CLI output):
 - Compute: each step really runs (every base GEMM and `apply_lora` of the model's layers) and the
@@ -6,13 +6,18 @@ The clock (documented in bench/RESULTS.md and the CLI output):
   queues the whole step before the GPU starts it, so host launch overhead is not counted), the
   thread's CPU time on the CPU. Host batch preparation (scheduling, `BatchInfoBuilder.build`, `acquire`) is measured
   and reported apart, off the clock: it models an engine that prepares step n+1 while step n runs.
-- Copies: each adapter load really runs on the loader's stream; its measured duration (CUDA events on
-  that stream; CPU time of the synchronous copy on the CPU) is placed on a single simulated copy engine, FIFO, starting when
-  the scheduler issued it. A load is ready at start + duration; the scheduler sees it ready at the first
-  step boundary after that.
-- blocking: a step that needs a load starts when the load is ready; the wait is "GPU stalled on loads".
-  overlap policies: steps never wait for loads; time the GPU idles while the only runnable requests
-  wait for their adapters is counted as stalled on loads too.
+- Loads have two stages, each really run and measured, each placed on its own simulated resource:
+  the host stage (PEFT folder -> packed host buffer: file read, parse, pack; skipped when the host
+  store holds the adapter) on one host worker, FIFO, charged its wall time measured on the real
+  worker thread; then the H2D copy on one copy engine, FIFO, charged its measured time (CUDA events
+  on the loader's stream; CPU time of the synchronous copy on the CPU). A load issued at t is ready
+  at the end of its copy, which starts when both its host stage and the copy engine are done; the
+  scheduler sees it ready at the first step boundary after that. A host-only stage (prefetch into
+  host memory) occupies the host worker alone; a later load of that adapter starts its copy no
+  earlier than that stage's end.
+- blocking: a step that needs a load starts when the load is ready (host stage and copy both in the
+  critical path); the wait is "GPU stalled on loads". overlap policies: steps never wait for loads;
+  time the GPU idles while the only runnable requests wait for their adapters is counted as stalled.
 - Arrivals follow the trace; when nothing can run the clock jumps to the next arrival or load.
 """
 
@@ -32,14 +37,27 @@ class StepTiming:
     prep_s: float  # host batch-preparation time (reported, off the clock)
 
 
+@dataclass
+class LoadTiming:
+    host_s: float  # wall time of the host stage this load or stage started (0.0: host memory had the adapter)
+    h2d_s: float  # measured copy time (0.0 for a host-only stage)
+    cold: bool  # this load or stage read the adapter's folder
+
+
 class Engine(Protocol):
     """What the simulator needs from the model + adapter machinery (`engine.ModelEngine`)."""
 
-    def reset(self) -> None: ...  # empty pool, counters zeroed: every policy starts cold
+    def reset(self) -> None: ...  # empty pool and host tier, counters zeroed: every policy starts cold
 
-    def issue_load(self, adapter, victim) -> object: ...  # starts a real load; returns a handle
+    def issue_load(self, adapter, victim) -> object: ...  # starts a real load (host stage, copy); a handle
 
-    def load_seconds(self, handle) -> float: ...  # measured copy time of a load (waits for it)
+    def issue_stage(self, adapter) -> object: ...  # starts a real host-only stage; a handle
+
+    def load_seconds(self, handle) -> LoadTiming: ...  # measured times of a load or stage (waits for it)
+
+    def host_resident(self) -> set | None: ...  # adapters in host memory now (None: no host tier)
+
+    def host_budget(self) -> tuple[float, Sequence[int]] | None: ...  # (capacity, bytes per adapter); None: no tier
 
     def run_step(self, plan: StepPlan) -> StepTiming: ...
 
@@ -51,6 +69,9 @@ class SimResult:
     steps: int = 0
     loads: int = 0
     evictions: int = 0
+    host_reads: int = 0  # host stages that read a folder (loads + host-only stages)
+    host_read_s: float = 0.0  # their measured wall time
+    staged: int = 0  # host-only stages that read a folder (prefetch into host memory)
     stall_s: float = 0.0  # GPU time stalled on loads: in-step waits (blocking) + idle while work waits on loads
     step_stall_s: float = 0.0  # the in-step part alone
     busy_s: float = 0.0
@@ -58,7 +79,7 @@ class SimResult:
     prep_s: float = 0.0
     tokens: int = 0  # rows processed (prompt + decode)
     wall_s: float = 0.0
-    # (lane, start, end, kind): lane "compute" kind prefill|decode|stall, lane "copy" kind load
+    # (lane, start, end, kind): lane "compute" kind prefill|decode|stall, "copy" kind load, "host" kind read
     timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
 
     @property
@@ -71,21 +92,34 @@ def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
     """Replays `trace` under `cfg.policy` through `engine`; every request runs to completion."""
     engine.reset()
     sched = Scheduler(cfg)
-    cache = AdapterState(cfg.num_slots)
+    tier = engine.host_budget()
+    cache = AdapterState(cfg.num_slots, *(tier or (None, ())))
+    cache.host = engine.host_resident()
     states = [RequestState(r) for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
     res = SimResult(cfg.policy, states)
-    pending: dict = {}  # adapter -> (handle, issue time) of loads whose duration is not yet known
-    now, copy_free, nxt, done = 0.0, 0.0, 0, 0
+    pending: list = []  # (adapter, handle, issue time, is a GPU load) of loads/stages not yet measured
+    host_done: dict = {}  # adapter -> simulated end of the host stage that last read it
+    now, copy_free, host_free, nxt, done = 0.0, 0.0, 0.0, 0, 0
     wall0 = time.perf_counter()
 
     def settle_loads():
-        nonlocal copy_free
-        for a, (handle, issued) in pending.items():
-            start = max(issued, copy_free)
-            copy_free = start + engine.load_seconds(handle)
-            cache.ready_at[a] = copy_free
-            res.timeline.append(("copy", start, copy_free, "load"))
+        nonlocal copy_free, host_free
+        for a, handle, issued, is_load in pending:
+            t = engine.load_seconds(handle)
+            if t.cold:
+                start = max(issued, host_free)
+                host_free = host_done[a] = start + t.host_s
+                res.host_reads += 1
+                res.host_read_s += t.host_s
+                res.staged += not is_load
+                res.timeline.append(("host", start, host_free, "read"))
+            if is_load:
+                start = max(issued, host_done.get(a, issued), copy_free)
+                copy_free = start + t.h2d_s
+                cache.ready_at[a] = copy_free
+                res.timeline.append(("copy", start, copy_free, "load"))
         pending.clear()
+        cache.host = engine.host_resident()
 
     while done < len(states):
         while nxt < len(states) and states[nxt].req.arrival <= now:
@@ -95,9 +129,11 @@ def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
         plan = sched.schedule(now, cache)
         res.prep_s += time.perf_counter() - t0
         for a, v in plan.loads:
-            pending[a] = (engine.issue_load(a, v), now)
+            pending.append((a, engine.issue_load(a, v), now, True))
             res.loads += 1
             res.evictions += v is not None
+        for a in plan.stages:
+            pending.append((a, engine.issue_stage(a), now, False))
         if not plan.batch:
             settle_loads()
             waits = [t for a, t in cache.ready_at.items() if t > now]
