@@ -14,6 +14,11 @@ TORCH_LIBRARY(lora_kernels, m) {
   m.def(
       "sgmv_expand(Tensor v, Tensor lora_b, Tensor seg_indptr, Tensor weight_indices, Tensor lora_ranks, "
       "Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_seg_len, Tensor(a!) out) -> ()");
+  // sgmv_shrink then sgmv_expand through an fp32 v, in one call (the expand overlaps the shrink on sm_90).
+  m.def(
+      "sgmv_apply(Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor weight_indices, "
+      "Tensor lora_ranks, Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_seg_len, "
+      "Tensor(a!) out) -> ()");
   // dsts[i].copy_(srcs[i]) for pinned host srcs, all on the current stream, in one call.
   m.def("batched_h2d_copy(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
 }
@@ -21,6 +26,7 @@ TORCH_LIBRARY(lora_kernels, m) {
 TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
   m.impl("sgmv_shrink", &lora_kernels::sgmv_shrink);
   m.impl("sgmv_expand", &lora_kernels::sgmv_expand);
+  m.impl("sgmv_apply", &lora_kernels::sgmv_apply);
   m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
 }
 

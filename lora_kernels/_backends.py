@@ -69,6 +69,12 @@ def _cuda_expand(v, lora_b, info, slice_offsets, out):
                                                info.max_seg_len, out)
 
 
+def _cuda_apply(x, base_out, lora_a, lora_b, info, slice_offsets):
+    torch.ops.lora_kernels.sgmv_apply.default(x, lora_a, lora_b, info.seg_indptr, info.weight_indices,
+                                              info.lora_ranks, info.scalings, info.permutation, list(slice_offsets),
+                                              info.max_seg_len, base_out)
+
+
 def _two_step(shrink, expand):
     return types.SimpleNamespace(
         sgmv_shrink=shrink,
@@ -78,7 +84,7 @@ def _two_step(shrink, expand):
 
 
 TORCH = _two_step(_ref_shrink, _ref_expand)
-CUDA = _two_step(_cuda_shrink, _cuda_expand)
+CUDA = types.SimpleNamespace(sgmv_shrink=_cuda_shrink, sgmv_expand=_cuda_expand, apply_lora=_cuda_apply)
 
 
 def get(name: str):

@@ -31,3 +31,20 @@ def register() -> None:
                     max_seg_len, out):
         reference.sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation,
                               slice_offsets, out)
+
+    if not hasattr(torch.ops.lora_kernels, "sgmv_apply"):  # a _C built before the fused op existed
+        return
+
+    @torch.library.register_fake("lora_kernels::sgmv_apply")
+    def _apply_fake(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
+                    max_seg_len, out):
+        return None
+
+    @torch.library.impl("lora_kernels::sgmv_apply", "CPU")
+    def _apply_cpu(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
+                   max_seg_len, out):
+        v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32)
+        reference.sgmv_shrink(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, len(slice_offsets) - 1,
+                              v)
+        reference.sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation,
+                              slice_offsets, out)

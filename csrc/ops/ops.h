@@ -15,6 +15,11 @@ void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor
                  const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
                  int64_t max_seg_len, at::Tensor& out);
 
+void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                const at::Tensor& seg_indptr, const at::Tensor& weight_indices, const at::Tensor& lora_ranks,
+                const at::Tensor& scalings, const std::optional<at::Tensor>& permutation,
+                at::IntArrayRef slice_offsets, int64_t max_seg_len, at::Tensor& out);
+
 void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts);
 
 }  // namespace lora_kernels
