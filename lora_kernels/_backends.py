@@ -95,9 +95,18 @@ def get(name: str):
     return triton_ops()
 
 
-def auto_backend(device: torch.device) -> str:
+# Regime table measured by bench/bench_kernels.py (H200, 2026-11-22, Llama-3-8B shapes, bf16, graph replay;
+# bench/RESULTS.md): the cuda backend beat Triton only on one-segment batches of 16-256 rows (0.55-0.89x of
+# Triton's per-layer time); on decode batches of distinct or uniform adapters and on prefill it took
+# 1.1-3.2x Triton's time.
+CUDA_MIN_ROWS_ONE_SEGMENT = 16
+
+
+def auto_backend(device: torch.device, info=None) -> str:
     if device.type != "cuda":
         return "torch"
-    if HAS_CUDA_EXT:
+    if triton_ops() is None:
+        return "cuda" if HAS_CUDA_EXT else "torch"
+    if HAS_CUDA_EXT and info is not None and info.num_segments == 1 and info.num_tokens >= CUDA_MIN_ROWS_ONE_SEGMENT:
         return "cuda"
-    return "triton" if triton_ops() is not None else "torch"
+    return "triton"

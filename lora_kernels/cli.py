@@ -50,7 +50,7 @@ def demo(args) -> int:
 
     builder = BatchInfoBuilder(64, 8, ranks.to(device), scalings.to(device))
     info = builder.build(counts, slots)
-    backend = resolve_backend(args.backend, device)
+    backend = resolve_backend(args.backend, device, info)
     xd, ad, bd, based = (t.to(device, dtype) for t in (x, lora_a, lora_b, base))
     out = based.clone()
     apply_lora(xd, out, ad, bd, info, offsets, backend=backend)

@@ -1,8 +1,8 @@
 """Public SGMV ops with backend choice (DESIGN.md §5).
 
 Backends: "cuda" (the compiled extension), "triton", "torch" (reference.py). The default comes from
-LORA_KERNELS_BACKEND (else "auto"): the CUDA extension when built and the inputs are on CUDA, else
-Triton on CUDA, else torch. An explicitly requested backend that cannot run raises; "auto" never does.
+LORA_KERNELS_BACKEND (else "auto"): on CUDA inputs, whichever of Triton and the CUDA extension the
+kernel benchmark measured faster for the batch's regime (_backends.auto_backend), else torch. An explicitly requested backend that cannot run raises; "auto" never does.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ MAX_SLICES = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The backend that will run for inputs on `device`; raises if an explicit choice cannot."""
+def resolve_backend(backend: str | None, device: torch.device, info: LoRABatchInfo | None = None) -> str:
+    """The backend that will run for inputs on `device` (and batch `info`); raises if an explicit choice cannot."""
     name = backend or os.environ.get("LORA_KERNELS_BACKEND") or "auto"
     if name == "auto":
-        return _be.auto_backend(device)
+        return _be.auto_backend(device, info)
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "cuda":
@@ -122,7 +122,7 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, info: LoRABatchInfo, num_
     written as 0; rows outside every segment are left untouched. Returns out.
     """
     _check_shrink(x, lora_a, info, num_slices, out)
-    name = resolve_backend(backend, x.device)
+    name = resolve_backend(backend, x.device, info)
     if out is None:
         out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     _be.get(name).sgmv_shrink(x, lora_a, info, num_slices, out)
@@ -139,7 +139,7 @@ def sgmv_expand(v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo, slic
     """
     slice_offsets = tuple(slice_offsets)
     _check_expand(v, lora_b, info, slice_offsets, out)
-    name = resolve_backend(backend, out.device)
+    name = resolve_backend(backend, out.device, info)
     _be.get(name).sgmv_expand(v, lora_b, info, slice_offsets, out)
     return out
 
@@ -160,6 +160,6 @@ def apply_lora(x: torch.Tensor, base_out: torch.Tensor, lora_a: torch.Tensor, lo
                          f"{tuple(base_out.shape)} {base_out.dtype} on {base_out.device}")
     if lora_b.shape[2] * num_slices != lora_a.shape[1]:
         raise ValueError(f"lora_a has {lora_a.shape[1]} rows but num_slices*R = {num_slices}*{lora_b.shape[2]}")
-    name = resolve_backend(backend, x.device)
+    name = resolve_backend(backend, x.device, info)
     _be.get(name).apply_lora(x, base_out, lora_a, lora_b, info, slice_offsets)
     return base_out

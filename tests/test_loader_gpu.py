@@ -159,6 +159,8 @@ def test_loader_hot_path_never_syncs():
     ws = {f"a{i}": AdapterWeights.random(SPEC, 8 if i % 2 else 16, seed=i) for i in range(4)}
     pool, store, loader = _setup(2, 16, ws)
     for name in ws:  # warm: staging buffer and copy plans
+        if not loader.is_ready(name) and loader.free_or_evictable() == 0:
+            torch.cuda.synchronize()  # both slots still loading: a load may not evict them, so let them finish
         loader.acquire([name])
         loader.release([name])
     torch.cuda.synchronize()
@@ -188,6 +190,8 @@ def test_10k_load_evict_cycles_leak_nothing(backend):
         if i % 100 == 0:  # re-pack: the old pinned buffer must be freed once its load is done
             dropped.append(weakref.ref(store.get(name)))
             store.register(name, ws[name])
+        if not loader.is_ready(name) and loader.free_or_evictable() == 0:
+            torch.cuda.synchronize()  # both slots still loading: a load may not evict them, so let them finish
         loader.acquire([name])
         loader.release([name])
 

@@ -53,7 +53,6 @@ void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts) {
     attr.srcLocHint.type = cudaMemLocationTypeHost;
     attr.dstLocHint.type = cudaMemLocationTypeDevice;
     attr.dstLocHint.id = device.index();
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // loads run beside compute kernels
     size_t attr_idx = 0;
     C10_CUDA_CHECK(cudaMemcpyBatchAsync(dst_ptrs.data(), src_ptrs.data(), sizes.data(), n, &attr, &attr_idx, 1,
                                         stream));
