@@ -30,6 +30,10 @@ TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
   m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
 }
 
+// On CPU tensors the copy op only rejects its inputs (a CPU destination is a plain copy_ for the caller);
+// this gives CI, which has no GPU, a real C++ error path to test: a TORCH_CHECK must raise, not crash.
+TORCH_LIBRARY_IMPL(lora_kernels, CPU, m) { m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy); }
+
 extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

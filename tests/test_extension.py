@@ -43,3 +43,24 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_expand.default,
                           (v + 1, case.lora_b, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                            info.permutation, list(case.slice_offsets), info.max_seg_len, case.base.clone()))
+
+
+_CPP_ERROR = """
+import torch, lora_kernels
+try:
+    torch.ops.lora_kernels.batched_h2d_copy.default([torch.ones(3)], [torch.zeros(3)])
+except RuntimeError as e:
+    print(str(e).splitlines()[0])
+"""
+
+
+@pytest.mark.skipif(not lk.HAS_CUDA_EXT, reason="extension not built")
+def test_cpp_check_raises_instead_of_crashing():
+    """A TORCH_CHECK in the compiled code must surface as RuntimeError (an extension linked with its own
+    libstdc++ segfaults here instead); run apart so that a crash fails this test, not the session."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _CPP_ERROR], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-1500:]}"
+    assert res.stdout.startswith("dsts[0] must be a CUDA tensor, got cpu"), res.stdout
