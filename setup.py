@@ -104,27 +104,7 @@ def _extensions():
     )
     _say(f"building lora_kernels._C for {archs} with CUDA at {cuda_home}")
     _write_build_meta(True, archs, "")
-    return [ext], {"build_ext": _dynamic_libstdcxx(cpp.BuildExtension).with_options(use_ninja=True)}
-
-
-def _dynamic_libstdcxx(base):
-    """BuildExtension that links the C++ runtime dynamically, whatever the interpreter's sysconfig says.
-
-    Some Python builds carry -static-libstdc++ in their link flags; an extension with its own copy of
-    libstdc++ beside torch's shared one crashes (std::codecvt) the first time a TORCH_CHECK formats its
-    message, i.e. on every bad input (seen on the device image, 2026-11-22).
-    """
-
-    class BuildExt(base):
-        def build_extensions(self):
-            for attr in ("linker_so", "linker_so_cxx"):
-                cmd = getattr(self.compiler, attr, None)
-                if cmd:
-                    setattr(self.compiler, attr, [a for a in cmd if a not in ("-static-libstdc++", "-static-libgcc")])
-            _say(f"linking with {' '.join(getattr(self.compiler, 'linker_so_cxx', None) or self.compiler.linker_so)}")
-            super().build_extensions()
-
-    return BuildExt
+    return [ext], {"build_ext": cpp.BuildExtension.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = _extensions()

@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX
 E="$OUT/evidence.log"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u; git rev-parse --short HEAD; } | tee "$E"
 t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+OUT="$OUT" bash scripts/device_check.sh build >/dev/null || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build $(( $(date +%s) - t0 )) s" | tee -a "$E"
 timeout 170 python3 -m pytest -q --maxfail=15 -p no:cacheprovider tests/test_cuda_backend.py tests/test_extension.py \
   >"$OUT/pytest.log" 2>&1; echo "pytest rc=$? $(tail -1 "$OUT/pytest.log")" | tee -a "$E"

@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
+# The device image points CC/CXX at /opt/gcc, whose g++ links parts of libstdc++ statically: that copy beside
+# torch's shared one segfaults (std::codecvt) on the first TORCH_CHECK message. The system compiler links it
+# dynamically (checked on the H200 image, 2026-11-22: tests/test_extension.py::test_cpp_check_raises...).
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
 status=0
 want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
