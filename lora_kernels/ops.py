@@ -13,7 +13,6 @@ from typing import Sequence
 import torch
 
 from lora_kernels import _backends as _be
-from lora_kernels import reference
 from lora_kernels.batch_info import LoRABatchInfo
 
 BACKENDS = ("auto", "cuda", "triton", "torch")

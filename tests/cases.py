@@ -106,6 +106,21 @@ def make_case(rng: np.random.Generator, *, num_slots=6, max_rank=16, ranks=None,
     return Case(x, lora_a, lora_b, base, info, offsets, seg_lens, [int(s) for s in slots], perm, ranks, scalings)
 
 
+LLAMA_MODULES = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+LLAMA_BATCHES = {"decode1": [1], "decode64": [1] * 64, "prefill": [300, 1200, 600, 100]}
+
+
+def llama_case(batch: str, shape: str, rank: int, device="cuda") -> Case:
+    """A Llama-3-8B module shape in bf16 in one regime (LLAMA_BATCHES), mixed ranks over 8 slots."""
+    in_dim, widths = LLAMA_MODULES[shape]
+    rng = np.random.default_rng([rank, len(shape), len(batch)])
+    seg_lens = LLAMA_BATCHES[batch]
+    slots = [int(s) for s in popularity_slots("uniform", len(seg_lens), 8, rng)]
+    return make_case(rng, num_slots=8, max_rank=rank, ranks=[rank, rank // 2, 1, rank, 7, rank, 3, rank],
+                     slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens, slots=slots, dtype=torch.bfloat16,
+                     device=device, permute=batch == "prefill", no_lora_frac=0.1)
+
+
 def _segment_rows(case: Case):
     start = 0
     for length, slot in zip(case.seg_lens, case.slots):

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from adapter_checks import check_slot
 from lora_kernels.adapters import (AdapterLoader, AdapterWeights, GpuAdapterPool, HostAdapterStore, ModelSpec,
                                    batched_h2d_copy, pack_adapter)
 
@@ -15,23 +16,6 @@ SPEC = ModelSpec(layers=2, hidden=24, intermediate=20, num_heads=3, num_kv_heads
 
 def _adapter(rank, seed, groups=None, dtype=torch.float32):
     return AdapterWeights.random(SPEC, rank, dtype, seed=seed, groups=groups, scaling=0.5 + seed)
-
-
-def _check_slot(pool, slot, w):
-    """The slot holds `w` bit for bit where the kernels read, and zeroed A rows for untargeted groups."""
-    R, r = pool.max_rank, w.rank
-    assert int(pool.lora_ranks[slot]) == r
-    assert float(pool.scalings[slot]) == torch.tensor(w.scaling, dtype=torch.float32).item()
-    for layer in range(SPEC.layers):
-        for g in SPEC.groups:
-            a, b = pool.lora_a[layer][g.name][slot], pool.lora_b[layer][g.name][slot]
-            if (layer, g.name) not in w.lora_a:
-                for i in range(g.num_slices):
-                    assert a[i * R:i * R + r].abs().sum() == 0
-                continue
-            for i in range(g.num_slices):
-                assert torch.equal(a[i * R:i * R + r], w.lora_a[(layer, g.name)][i * r:(i + 1) * r])
-            assert torch.equal(b[:, :r], w.lora_b[(layer, g.name)])
 
 
 # ---- ModelSpec ----------------------------------------------------------------------------------------------
@@ -145,7 +129,7 @@ def test_loader_cpu_exact(rank):
     for n in ["full", "qkv", "mlp", "full"]:
         slot = loader.load_async(n)
         assert loader.is_ready(n)
-        _check_slot(pool, slot, ws[n])
+        check_slot(pool, slot, ws[n])
     assert loader.stats["loads"] == 4 and loader.stats["evictions"] == 2
     assert loader.stats["bytes"] == sum(store.get(n).payload_bytes for n in ["full", "qkv", "mlp", "full"])
 
@@ -195,7 +179,7 @@ def test_unload_frees_the_slot():
     loader.unload("a0")
     loader.unload("never-loaded")
     assert loader.resident() == [] and loader.load_async("a1") == 0 and loader.stats["evictions"] == 0
-    _check_slot(pool, 0, _adapter(4, 1))
+    check_slot(pool, 0, _adapter(4, 1))
 
 
 def test_batched_h2d_copy_cpu_and_errors():
@@ -267,7 +251,7 @@ def test_eviction_never_picks_acquired_or_loading(seed):
         # Every acquired slot still holds its adapter bit for bit.
         for batch in batches:
             for aid in batch:
-                _check_slot(pool, loader.slot_of(aid), ws[aid])
+                check_slot(pool, loader.slot_of(aid), ws[aid])
         assert sum(loader._refs) == sum(len(b) for b in batches)
         assert len(set(after.values())) == len(after) <= num_slots
 
@@ -366,6 +350,6 @@ def test_staged_adapter_survives_eviction_and_loads_exactly(tmp_path):
         with pytest.raises(ValueError, match="packed adapter 'a1' .* given for adapter 'a0'"):
             loader.load_async("a0", packed=staged)
         slot = loader.load_async("a1", packed=staged)
-        _check_slot(pool, slot, ws[1])
+        check_slot(pool, slot, ws[1])
         assert store.stats["packs"] == 2  # the load read nothing
-        _check_slot(pool, loader.load_async("a0", packed=stager.submit("a0").result(5)), ws[0])
+        check_slot(pool, loader.load_async("a0", packed=stager.submit("a0").result(5)), ws[0])

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import lora_kernels as lk
-from cases import POPULARITY, TOL, make_case, make_info, popularity_slots, rel_err, rowloop_expand, rowloop_shrink
+from cases import (POPULARITY, TOL, llama_case, make_case, make_info, popularity_slots, rel_err, rowloop_expand,
+                   rowloop_shrink)
 from lora_kernels import reference
 
 HAS_EXT = lk.HAS_CUDA_EXT
@@ -202,16 +203,7 @@ def test_slot_out_of_range_is_no_lora(max_len):
 @pytest.mark.parametrize("batch", ["decode1", "decode64", "prefill"])
 def test_llama_shapes_bf16(batch, shape, rank):
     """Llama-3-8B module shapes in bf16 in each regime, mixed ranks (stale weights poisoned)."""
-    in_dim, widths = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
-                      "down": (14336, (4096,))}[shape]
-    rng = np.random.default_rng([rank, len(shape), len(batch)])
-    seg_lens = {"decode1": [1], "decode64": [1] * 64, "prefill": [300, 1200, 600, 100]}[batch]
-    n = len(seg_lens)
-    slots = [int(s) for s in popularity_slots("uniform", n, 8, rng)]
-    case = make_case(rng, num_slots=8, max_rank=rank, ranks=[rank, rank // 2, 1, rank, 7, rank, 3, rank],
-                     slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens, slots=slots, dtype=torch.bfloat16,
-                     device="cuda", permute=batch == "prefill", no_lora_frac=0.1)
-    check_case(_poison_stale(case), truth=_truth_large)
+    check_case(_poison_stale(llama_case(batch, shape, rank)), truth=_truth_large)
 
 
 def _static_info(cap_segments, cap_tokens, lora_ranks, scalings, max_seg_len, with_perm):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lora_kernels as lk
+from adapter_checks import check_slot
 from lora_kernels.adapters import (AdapterLoader, AdapterWeights, GpuAdapterPool, HostAdapterStore, ModelSpec,
                                    batched_h2d_copy)
 
@@ -30,21 +31,6 @@ def _setup(num_slots, max_rank, adapters, dtype=torch.bfloat16, backend="auto", 
     return pool, store, AdapterLoader(pool, store, backend=backend)
 
 
-def _check_slot(pool, slot, w):
-    R, r = pool.max_rank, w.rank
-    assert int(pool.lora_ranks[slot]) == r
-    assert float(pool.scalings[slot]) == torch.tensor(w.scaling, dtype=torch.float32).item()
-    for layer in range(SPEC.layers):
-        for g in SPEC.groups:
-            a, b = pool.lora_a[layer][g.name][slot], pool.lora_b[layer][g.name][slot]
-            if (layer, g.name) not in w.lora_a:
-                assert all(a[i * R:i * R + r].abs().sum() == 0 for i in range(g.num_slices))
-                continue
-            src_a, src_b = w.lora_a[(layer, g.name)].cuda(), w.lora_b[(layer, g.name)].cuda()
-            for i in range(g.num_slices):
-                assert torch.equal(a[i * R:i * R + r], src_a[i * r:(i + 1) * r]), (layer, g.name, i)
-            assert torch.equal(b[:, :r], src_b), (layer, g.name)
-
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("rank", [16, 5])
@@ -59,7 +45,7 @@ def test_loaded_data_bit_exact(backend, rank):
     for name in ["full", "attn", "full2", "mlp", "full", "attn", "mlp"]:  # each load evicts the LRU slot
         loader.acquire([name])
         torch.cuda.current_stream().synchronize()
-        _check_slot(pool, loader.slot_of(name), ws[name])
+        check_slot(pool, loader.slot_of(name), ws[name])
         loader.release([name])
     assert loader.stats["loads"] == 7 and loader.stats["evictions"] == 5
 
@@ -137,7 +123,7 @@ def test_evict_reload_never_changes_inflight_batch(backend):
     torch.cuda.synchronize()
     assert torch.equal(got, want)
     assert loader.is_ready("B")
-    _check_slot(pool, slot, ws["B"])
+    check_slot(pool, slot, ws["B"])
 
 
 def test_acquire_orders_compute_after_load():

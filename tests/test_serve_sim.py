@@ -10,7 +10,7 @@ import torch
 
 from lora_kernels.adapters import load_peft_adapter
 from lora_kernels.serve_sim import folders
-from lora_kernels.serve_sim.run import SimConfig, compare_records, run_sim, validate
+from lora_kernels.serve_sim.run import SimConfig, run_sim, validate
 from lora_kernels.serve_sim.scheduler import POLICIES, SchedulerConfig
 from lora_kernels.serve_sim.sim import LoadTiming, StepTiming, simulate
 from lora_kernels.serve_sim.trace import Request, generate_trace, parse_dist, parse_range

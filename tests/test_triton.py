@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import lora_kernels as lk
-from cases import POPULARITY, TOL, make_case, make_info, popularity_slots, rel_err, rowloop_expand, rowloop_shrink
+from cases import (POPULARITY, TOL, llama_case, make_case, make_info, popularity_slots, rel_err, rowloop_expand,
+                   rowloop_shrink)
 from lora_kernels import _backends, reference
 from lora_kernels.triton import plan
 
@@ -260,16 +261,7 @@ def test_gpu_grid(seed, dtype):
 @pytest.mark.parametrize("batch", ["decode1", "decode64", "prefill"])
 def test_gpu_llama_shapes_bf16(batch, shape, rank):
     """Llama-3-8B module shapes in bf16 through each regime's real block table."""
-    in_dim, widths = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
-                      "down": (14336, (4096,))}[shape]
-    rng = np.random.default_rng([rank, len(shape), len(batch)])
-    seg_lens = {"decode1": [1], "decode64": [1] * 64, "prefill": [300, 1200, 600, 100]}[batch]
-    n = len(seg_lens)
-    slots = [int(s) for s in popularity_slots("uniform", n, 8, rng)]
-    case = make_case(rng, num_slots=8, max_rank=rank, ranks=[rank, rank // 2, 1, rank, 7, rank, 3, rank],
-                     slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens, slots=slots, dtype=torch.bfloat16,
-                     device="cuda", permute=batch == "prefill", no_lora_frac=0.1)
-    check_case(case, truth=Reference64)
+    check_case(llama_case(batch, shape, rank), truth=Reference64)
 
 
 @GPU
