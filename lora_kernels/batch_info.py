@@ -10,9 +10,18 @@
   not, the build waits on that event and counts a stall (`builder.stalls`).
 * Validation (slot range, non-negative counts, capacities) runs on the host arrays.
 
-Record layout, `c` = segment capacity, `T` = permutation length:
+Record layout, `c` = segment capacity, `m` = tile capacity, `T` = permutation length:
 
-    [ weight_indices c | seg_lens c | seg_indptr c+1 | permutation T (only when sorting) ]
+    [ weight_indices c | seg_lens c | seg_indptr c+1 | work 1+3m | permutation T (only when sorting) ]
+
+The work list (`LoRABatchInfo.work`) is what the kernels walk with grids of fixed size (SGMV v3): tiles of at
+most TILE_M rows of one segment, each segment with at least one row cut into ceil(len / TILE_M) tiles:
+
+    work[0] = number of tiles n;  for t < n: slot = work[1 + t], first segmented row = work[1 + m + t],
+    end row (exclusive, the segment's end) = work[1 + 2m + t]
+
+Slot -1 segments are listed too (the shrink writes their zeros); graph-mode padding is not. Its cost
+is a few numpy ops on the host: grids follow the tiles in use, not the capacity.
 
 Eager mode (`cuda_graph=False`) sizes the record to the batch (c = segments, at least 1) and copies it
 into a fresh device tensor, so infos stay valid independently of later builds. Graph mode copies into
@@ -41,11 +50,35 @@ import numpy as np
 import torch
 
 _SEQ = (list, tuple)
+TILE_M = 64  # rows per work-list tile; the Triton kernels' BLOCK_M (one value for every batch: invariance)
 # The ufunc reductions directly: ndarray.min/max add a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
 # The current stream as a raw handle: a dict key, cheaper than building a torch Stream per build.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def tile_count(lens: np.ndarray) -> int:
+    """Work-list tiles that segments of these lengths need (ceil(len / TILE_M) each)."""
+    return int(np.add.reduce((lens + (TILE_M - 1)) // TILE_M)) if lens.size else 0
+
+
+def write_tiles(work: np.ndarray, m: int, slots: np.ndarray, lens: np.ndarray, indptr: np.ndarray, tiles: int,
+                one_each: bool = False) -> None:
+    """Writes the work list of segments (slots, lens, indptr[:n+1]) into `work` (capacity m tiles).
+    one_each: every segment has 1..TILE_M rows, so tile s is segment s."""
+    n = lens.size
+    work[0] = tiles
+    slot_a, row0, end = work[1:1 + m], work[1 + m:1 + 2 * m], work[1 + 2 * m:1 + 3 * m]
+    if one_each:
+        slot_a[:n], row0[:n], end[:n] = slots, indptr[:n], indptr[1:n + 1]
+        return
+    nt = (lens + (TILE_M - 1)) // TILE_M
+    seg = np.repeat(np.arange(n), nt)
+    first = np.cumsum(nt) - nt
+    np.take(slots, seg, out=slot_a[:tiles])
+    np.take(indptr, seg + 1, out=end[:tiles])
+    row0[:tiles] = indptr[seg] + (np.arange(tiles) - first[seg]) * TILE_M
 
 
 @dataclass
@@ -62,6 +95,8 @@ class LoRABatchInfo:
                        The batch's token count, except graph-mode pure decode, whose precomputed
                        segments also cover the padding rows up to min(max_segments, max_tokens)
     lora_ranks         rank per slot (the pool's tensor), scalings: scaling per slot (the pool's)
+    work               int32[1 + 3 * max_tiles] work list of TILE_M-row tiles (module docstring), or None
+    max_tiles          capacity of the work list (host int; sizes the persistent grids)
     """
 
     seg_lens: torch.Tensor
@@ -73,6 +108,34 @@ class LoRABatchInfo:
     num_tokens: int
     lora_ranks: torch.Tensor
     scalings: torch.Tensor
+    work: torch.Tensor | None = None
+    max_tiles: int = 0
+
+    @classmethod
+    def from_segments(cls, seg_lens: Sequence[int], slots: Sequence[int], lora_ranks: torch.Tensor,
+                      scalings: torch.Tensor, permutation: torch.Tensor | None = None, cap_segments: int | None = None,
+                      max_seg_len: int | None = None) -> "LoRABatchInfo":
+        """An info made directly from host segment lists (tests, tools; an engine uses BatchInfoBuilder),
+        optionally padded to `cap_segments` empty slot -1 segments."""
+        n = len(seg_lens)
+        cap = max(cap_segments or n, 1)
+        lens = np.zeros(cap, np.int32)
+        lens[:n] = seg_lens
+        wi = np.full(cap, -1, np.int32)
+        wi[:n] = slots
+        indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        tiles = tile_count(lens[:n])
+        m = max(tiles, 1)
+        work = np.zeros(1 + 3 * m, np.int32)
+        write_tiles(work, m, wi[:n], lens[:n], indptr, tiles)
+        dev = lora_ranks.device
+
+        def put(a):
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev)
+
+        return cls(seg_lens=put(lens), seg_indptr=put(indptr), weight_indices=put(wi), permutation=permutation,
+                   num_segments=n, max_seg_len=max_seg_len or int(max(seg_lens, default=0)),
+                   num_tokens=int(indptr[-1]), lora_ranks=lora_ranks, scalings=scalings, work=put(work), max_tiles=m)
 
     @property
     def num_slots(self) -> int:
@@ -90,6 +153,35 @@ class _Staging:
         self.event = event
         self.prefix = {length: self.tensor}  # record[:length] views of the lengths graph mode copies
         self.perm_dirty = 0  # graph mode: permutation entries [0, perm_dirty) may differ from the identity
+
+
+def _fill(dst: np.ndarray, values, name: str) -> None:
+    """dst[:] = values (host ints); numpy arrays/tensors of wider ints are range-checked, not wrapped."""
+    if type(values) not in _SEQ and isinstance(values, (np.ndarray, torch.Tensor)):
+        a = values.numpy() if isinstance(values, torch.Tensor) else values
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"{name} must hold integers, got {tuple(a.shape)} {a.dtype}")
+        if a.dtype.itemsize >= 4 and a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
+            raise ValueError(f"{name} holds values outside int32 ({a.min()}..{a.max()})")
+        values = a
+    try:
+        dst[:] = values
+    except OverflowError:
+        raise ValueError(f"{name} holds values outside int32") from None
+
+
+def _check_host_lists(seg_token_counts, slots, max_segments: int) -> int:
+    if type(slots) not in _SEQ or type(seg_token_counts) not in _SEQ:
+        for name, v in (("seg_token_counts", seg_token_counts), ("slots", slots)):
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                raise ValueError(f"{name} must be host ints (reading a {v.device} tensor would sync), got "
+                                 f"{tuple(v.shape)} {v.dtype} on {v.device}")
+    n = len(slots)
+    if len(seg_token_counts) != n:
+        raise ValueError(f"seg_token_counts has {len(seg_token_counts)} entries but slots has {n}")
+    if n > max_segments:
+        raise ValueError(f"{n} requests exceed max_segments={max_segments}")
+    return n
 
 
 class BatchInfoBuilder:
@@ -114,56 +206,61 @@ class BatchInfoBuilder:
                              f"{scalings.dtype}")
         if scalings.device != lora_ranks.device:
             raise ValueError(f"scalings is on {scalings.device} but lora_ranks is on {lora_ranks.device}")
-        self.max_tokens = max_tokens
-        self.max_segments = max_segments
-        self.lora_ranks = lora_ranks
-        self.scalings = scalings
+        self.max_tokens, self.max_segments = max_tokens, max_segments
+        self.lora_ranks, self.scalings = lora_ranks, scalings
         self.device = lora_ranks.device
         self.cuda_graph = cuda_graph
         self.num_slots = lora_ranks.shape[0]
-        self.builds = 0
-        self.stalls = 0
+        self.builds = self.stalls = 0
         self._is_cuda = self.device.type == "cuda"
         S, T = max_segments, max_tokens
         # int32 prefix sums cannot overflow when every count <= max_tokens and S * max_tokens fits.
         self._cumsum_safe = S * T < 2**31
-        self._record_len = 3 * S + 1 + T  # the largest record: full capacity plus a permutation
+        self._mt = -(-T // TILE_M) + S  # tile capacity: sum of ceil(len / TILE_M) <= T / TILE_M + S
+        self._record_len = 3 * self._mt + 3 * S + 2 + T  # the largest record: full capacity plus a permutation
         self._ring = [_Staging(self._record_len, self._is_cuda, torch.cuda.Event() if self._is_cuda else None)
                       for _ in range(self.ring_size)]
         self._next = 0
         self._iota = np.arange(max(T, S + 1), dtype=np.int32)
         self._scratch64 = np.empty(S, dtype=np.int64)
-        self._req_slots = np.empty(S, dtype=np.int32)  # sort_by_adapter: the requests before grouping
         self._req_counts = np.empty(S, dtype=np.int32)
+        self._req_slots = np.empty(S, dtype=np.int32)  # sort_by_adapter: the requests before grouping
+        self._perm_scratch = np.empty(T, dtype=np.int32)  # eager sort_by_adapter: placed after the record
         self._flags = np.empty(S, dtype=bool)
         self._streams = {}  # raw CUDA stream -> torch Stream, so recording an event costs no Stream creation
         self._dev_index = self.device.index if self._is_cuda else -1
         if cuda_graph:
             self._init_graph_buffers()
 
-    # ------------------------------------------------------------------ graph-mode static buffers
+    def _layout(self, m: int, c: int) -> tuple[int, int, int]:
+        """Offsets of weight_indices, seg_lens, seg_indptr in a record of m tiles and c segments."""
+        w = 1 + 3 * m
+        return w, w + c, w + 2 * c
 
     def _init_graph_buffers(self) -> None:
-        S, T = self.max_segments, self.max_tokens
-        dev = torch.empty(self._record_len, dtype=torch.int32, device=self.device)
-        # Initial contents: an empty batch (all segments empty, slot -1, identity permutation).
-        init = np.concatenate([np.full(S, -1), np.zeros(2 * S + 1), np.arange(T)]).astype(np.int32)
-        dev.copy_(torch.from_numpy(init))
-        self._dev = dev
-        self._g_wi = dev[:S]
-        self._g_lens = dev[S:2 * S]
-        self._g_indptr = dev[2 * S:3 * S + 1]
-        self._g_perm = dev[3 * S + 1:]
-        # Destinations of the three copy lengths graph mode uses: decode, unsorted, sorted.
-        self._g_dst = {S: dev[:S], 3 * S + 1: dev[:3 * S + 1], self._record_len: dev}
+        S, T, m = self.max_segments, self.max_tokens, self._mt
+        w, ln, ip = self._layout(m, S)
+        # Initial contents: an empty batch (no tiles, all segments empty with slot -1, identity permutation).
+        init = np.zeros(self._record_len, np.int32)
+        init[w:ln] = -1
+        init[ip + S + 1:] = np.arange(T)
+        dev = torch.from_numpy(init).to(self.device)
+        self._dev, self._g_work = dev, dev[:1 + 3 * m]
+        self._g_wi, self._g_lens, self._g_indptr, self._g_perm = dev[w:ln], dev[ln:ip], dev[ip:ip + S + 1], dev[ip + S + 1:]
+        # Destinations of the copy lengths graph mode uses: decode (count + slots), unsorted, sorted.
+        self._g_dst = {ip + S + 1: dev[:ip + S + 1], self._record_len: dev}
         for st in self._ring:  # staging tails start as the empty batch too
             st.array[:] = init
-            st.prefix.update({S: st.tensor[:S], 3 * S + 1: st.tensor[:3 * S + 1]})
-        # Pure decode: segment s holds row s (rows beyond max_tokens cannot exist: those segments are empty).
+            st.prefix[ip + S + 1] = st.tensor[:ip + S + 1]
+            st.prefix[S + 1] = st.tensor[:S + 1]
+        # Pure decode: segment s holds row s (rows beyond max_tokens cannot exist: those segments are empty);
+        # its work list [count | slot S | row0 S | end S] has tile s = segment s, and slot doubles as weight_indices.
         covered = min(S, T)
         lens = np.zeros(S, np.int32)
         lens[:covered] = 1
         indptr = np.minimum(np.arange(S + 1), covered).astype(np.int32)
+        dec = np.concatenate([[0], np.full(S, -1), indptr[:S], indptr[1:]]).astype(np.int32)
+        self._dec_work = torch.from_numpy(dec).to(self.device)
         self._dec_lens = torch.from_numpy(lens).to(self.device)
         self._dec_indptr = torch.from_numpy(indptr).to(self.device)
         self._dec_rows = covered
@@ -174,8 +271,6 @@ class BatchInfoBuilder:
             raise ValueError("graph_family is defined for cuda_graph=True builders only")
         return ("decode" if info.seg_indptr is self._dec_indptr else "general", info.permutation is not None)
 
-    # ------------------------------------------------------------------ host side
-
     def _acquire(self) -> _Staging:
         """The next staging buffer, once the GPU has finished reading it (waits, and counts, only if not)."""
         st = self._ring[self._next]
@@ -185,41 +280,26 @@ class BatchInfoBuilder:
             self.stalls += 1
         return st
 
-    @staticmethod
-    def _fill(dst: np.ndarray, values, name: str) -> None:
-        """dst[:] = values (host ints); numpy arrays/tensors of wider ints are range-checked, not wrapped."""
-        if type(values) not in _SEQ and isinstance(values, (np.ndarray, torch.Tensor)):
-            a = values.numpy() if isinstance(values, torch.Tensor) else values
-            if a.dtype.kind not in "iu":
-                raise ValueError(f"{name} must hold integers, got {tuple(a.shape)} {a.dtype}")
-            if a.dtype.itemsize >= 4 and a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
-                raise ValueError(f"{name} holds values outside int32 ({a.min()}..{a.max()})")
-            values = a
-        try:
-            dst[:] = values
-        except OverflowError:
-            raise ValueError(f"{name} holds values outside int32") from None
-
-    def _write_requests(self, w: np.ndarray, c: np.ndarray, seg_token_counts, slots) -> tuple[int, bool]:
-        """w[:] = slots and c[:] = counts, both checked on the host; returns (max count, every count is 1).
-        When every count is 1, c is left unwritten (graph-mode decode does not need it)."""
-        self._fill(w, slots, "slots")
+    def _write_requests(self, w: np.ndarray, c: np.ndarray, seg_token_counts, slots) -> tuple[int, int, bool]:
+        """w[:] = slots and c[:] = counts, both checked on the host; returns (min count, max count, every count
+        is 1). When every count is 1, c is left unwritten."""
+        _fill(w, slots, "slots")
         if w.size and (_min(w) < -1 or _max(w) >= self.num_slots):
             bad = int(w[(w < -1) | (w >= self.num_slots)][0])
             raise ValueError(f"slot {bad} out of range: slots must be -1 or in [0, {self.num_slots})")
         n = c.size
         if not n:
-            return 0, False
+            return 0, 0, False
         # Decode batches arrive as lists of 1s: list.count is one C loop, no conversion, nothing to check.
         if type(seg_token_counts) in _SEQ and seg_token_counts.count(1) == n:
-            return 1, True
-        self._fill(c, seg_token_counts, "seg_token_counts")
+            return 1, 1, True
+        _fill(c, seg_token_counts, "seg_token_counts")
         cmin, cmax = int(_min(c)), int(_max(c))
         if cmin < 0:
             raise ValueError(f"seg_token_counts must be >= 0, got {cmin}")
         if cmax > self.max_tokens:
             raise ValueError(f"{cmax} tokens exceed max_tokens={self.max_tokens}")
-        return cmax, cmin == 1 and cmax == 1
+        return cmin, cmax, cmin == 1 and cmax == 1
 
     def _prefix_sum(self, lens: np.ndarray, indptr: np.ndarray, n: int) -> int:
         """indptr[0] = 0, indptr[1:n+1] = cumsum(lens[:n]), the rest = the total (empty tail segments);
@@ -240,102 +320,106 @@ class BatchInfoBuilder:
         indptr[n + 1:] = total
         return total
 
-    # ------------------------------------------------------------------ build
-
     def build(self, seg_token_counts: Sequence[int], slots: Sequence[int], sort_by_adapter: bool = False
               ) -> LoRABatchInfo:
         """Metadata for one batch: request i owns the next `seg_token_counts[i]` rows of x and uses slot
         `slots[i]` (-1 = no LoRA). Host-side work and one non-blocking copy; never waits for the GPU
         (unless the staging ring is exhausted, see `stalls`)."""
-        if type(slots) not in _SEQ or type(seg_token_counts) not in _SEQ:
-            for name, v in (("seg_token_counts", seg_token_counts), ("slots", slots)):
-                if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                    raise ValueError(f"{name} must be host ints (reading a {v.device} tensor would sync), got "
-                                     f"{tuple(v.shape)} {v.dtype} on {v.device}")
-        n = len(slots)
-        if len(seg_token_counts) != n:
-            raise ValueError(f"seg_token_counts has {len(seg_token_counts)} entries but slots has {n}")
-        if n > self.max_segments:
-            raise ValueError(f"{n} requests exceed max_segments={self.max_segments}")
+        n = _check_host_lists(seg_token_counts, slots, self.max_segments)
         st = self._acquire()
         rec = st.array
+        # Slots go to rec[1:1+n] first: the decode record's slot array and, for one-tile segments, the work list's.
+        w, c = rec[1:1 + n], self._req_counts[:n]
+        cmin, cmax, ones = self._write_requests(w, c, seg_token_counts, slots)
+        if ones:
+            c.fill(1)
         if sort_by_adapter:
-            return self._build_sorted(st, seg_token_counts, slots, n)
-        if self.cuda_graph:
-            S = self.max_segments
-            _, decode = self._write_requests(rec[:n], rec[S:S + n], seg_token_counts, slots)
-            rec[n:S] = -1
-            if decode:
-                if n <= self._dec_rows:  # seg_lens/seg_indptr precomputed: copy weight_indices only
-                    self._copy(st, S, self._g_dst[S])
-                    return self._info(self._g_wi, self._dec_lens, self._dec_indptr, None, n, 1, self._dec_rows)
-                rec[S:S + n] = 1  # more rows than max_tokens: the general path reports it
-            rec[S + n:2 * S] = 0
-            total = self._prefix_sum(rec[S:2 * S], rec[2 * S:3 * S + 1], n)
-            self._copy(st, 3 * S + 1, self._g_dst[3 * S + 1])
-            return self._info(self._g_wi, self._g_lens, self._g_indptr, None, n, self.max_tokens, total)
-        cap = max(n, 1)
-        cmax, decode = self._write_requests(rec[:n], rec[cap:cap + n], seg_token_counts, slots)
-        if decode:
-            rec[cap:cap + n] = 1
-        if not n:
-            rec[0], rec[1] = -1, 0
-        total = self._prefix_sum(rec[cap:2 * cap], rec[2 * cap:3 * cap + 1], n)
-        dev = self._copy(st, 3 * cap + 1, None)
-        wi, lens, indptr = dev.split_with_sizes((cap, cap, cap + 1))
-        return self._info(wi, lens, indptr, None, n, cmax, total)
+            w = self._req_slots[:n]
+            w[:] = rec[1:1 + n]
+            return self._build_sorted(st, w, c, n)
+        S = self.max_segments
+        if self.cuda_graph and ones and n <= self._dec_rows:  # precomputed segments: copy count + slots only
+            rec[0] = n
+            rec[1 + n:1 + S] = -1
+            self._copy(st, S + 1, self._dec_work[:S + 1])
+            return self._info(self._dec_work[1:1 + S], self._dec_lens, self._dec_indptr, None, n, 1, self._dec_rows,
+                              self._dec_work, S)
+        one_each = n > 0 and cmin >= 1 and cmax <= TILE_M
+        return self._emit(st, w, c, n, cmax, one_each, None)
 
-    def _build_sorted(self, st: _Staging, seg_token_counts, slots, n: int) -> LoRABatchInfo:
+    def _emit(self, st: _Staging, w: np.ndarray, c: np.ndarray, n: int, max_len: int, one_each: bool,
+              perm: np.ndarray | None) -> LoRABatchInfo:
+        """Writes segments (slots w, counts c) and their work list into the record, copies it, returns the info."""
+        rec = st.array
+        cap = self.max_segments if self.cuda_graph else max(n, 1)
+        tiles = n if one_each else tile_count(c)
+        m = self._mt if self.cuda_graph else max(tiles, 1)
+        wo, lo, io = self._layout(m, cap)
+        wi, lens, indptr = rec[wo:lo], rec[lo:io], rec[io:io + cap + 1]
+        wi[:n] = w
+        wi[n:] = -1
+        lens[:n] = c
+        lens[n:] = 0
+        total = self._prefix_sum(lens, indptr, n)
+        write_tiles(rec[:1 + 3 * m], m, wi[:n], lens[:n], indptr, tiles, one_each)
+        end = io + cap + 1
+        if self.cuda_graph:
+            if perm is not None:
+                self._copy(st, self._record_len, self._dev)
+                return self._info(self._g_wi, self._g_lens, self._g_indptr, self._g_perm, n, self.max_tokens,
+                                  total, self._g_work, m)
+            self._copy(st, end, self._g_dst[end])
+            return self._info(self._g_wi, self._g_lens, self._g_indptr, None, n, self.max_tokens, total,
+                              self._g_work, m)
+        plen = 0 if perm is None else total
+        if plen:
+            rec[end:end + plen] = perm[:plen]
+        dev = self._copy(st, end + plen, None)
+        parts = dev.split_with_sizes((1 + 3 * m, cap, cap, cap + 1, plen))
+        return self._info(parts[1], parts[2], parts[3], parts[4] if perm is not None else None, n, max_len, total,
+                          parts[0], m)
+
+    def _build_sorted(self, st: _Staging, w: np.ndarray, c: np.ndarray, n: int) -> LoRABatchInfo:
         """Requests sharing a slot merged into one segment (ascending slot, request order kept within it);
         `permutation` maps each segmented row to its physical row."""
-        rec = st.array
-        S, T = self.max_segments, self.max_tokens
-        w, c = self._req_slots[:n], self._req_counts[:n]
-        if self._write_requests(w, c, seg_token_counts, slots)[1]:
-            c.fill(1)
-        total = int(c.sum(dtype=np.int64)) if n else 0
+        T = self.max_tokens
+        total = int(np.add.reduce(c, dtype=np.int64)) if n else 0
         if total > T:
             raise ValueError(f"{total} tokens exceed max_tokens={T}")
-        k = 0
-        if n:
-            order = np.argsort(w, kind="stable")
-            ss, cs = w[order], c[order]
-            new = self._flags[:n]
-            new[0] = True
-            np.not_equal(ss[1:], ss[:-1], out=new[1:])
-            first = np.flatnonzero(new)  # first sorted request of each segment
-            k = first.size
-        cap, perm_len = (S, T) if self.cuda_graph else (max(k, 1), total)
-        wi, lens, indptr = rec[:cap], rec[cap:2 * cap], rec[2 * cap:3 * cap + 1]
-        p = rec[3 * cap + 1:3 * cap + 1 + perm_len]
-        wi[k:] = -1
-        lens[k:] = 0
-        indptr[0] = 0
-        indptr[k + 1:] = total
-        max_len = 0
-        if n:
-            np.take(ss, first, out=wi[:k])
+        if not n:
+            return self._emit(st, w[:0], c[:0], 0, 0, False, self._perm_buffer(st, 0))
+        order = np.argsort(w, kind="stable")
+        ss = w[order]
+        new = self._flags[:n]
+        new[0] = True
+        np.not_equal(ss[1:], ss[:-1], out=new[1:])
+        first = np.flatnonzero(new)  # first sorted request of each segment
+        k = first.size
+        p = self._perm_buffer(st, total)
+        if total == n:  # one row per request (decode): the permutation is the sort order
+            p[:n] = order
+            lens = np.diff(np.append(first, n)).astype(np.int32)
+        else:
+            cs = c[order]
             end = np.cumsum(cs, dtype=np.int32)  # end of each sorted request (int32: partial sums <= total)
-            np.take(end, first[1:] - 1, out=indptr[1:k])
-            indptr[k] = total
-            np.subtract(indptr[1:k + 1], indptr[:k], out=lens[:k])
-            max_len = int(_max(lens[:k]))
+            starts = np.append(0, end[first[1:] - 1])
+            lens = np.diff(np.append(starts, total)).astype(np.int32)
             # Segmented row i of sorted request j is physical row start_j + (i - segmented start_j).
-            shift = np.cumsum(c, dtype=np.int32)
-            shift -= c
-            shift = shift[order]
-            shift -= end
-            shift += cs
+            shift = (np.cumsum(c, dtype=np.int32) - c)[order] - end + cs
             np.add(np.repeat(shift, cs), self._iota[:total], out=p[:total])
-        if self.cuda_graph:
-            if st.perm_dirty > total:  # restore the identity this buffer's last batch overwrote
-                p[total:st.perm_dirty] = self._iota[total:st.perm_dirty]
-            st.perm_dirty = total
-            self._copy(st, self._record_len, self._dev)
-            return self._info(self._g_wi, self._g_lens, self._g_indptr, self._g_perm, k, T, total)
-        dev = self._copy(st, 3 * cap + 1 + perm_len, None)
-        wi_t, lens_t, indptr_t, perm_t = dev.split_with_sizes((cap, cap, cap + 1, perm_len))
-        return self._info(wi_t, lens_t, indptr_t, perm_t, k, max_len, total)
+        max_len = int(_max(lens))
+        return self._emit(st, ss[first], lens, k, max_len, max_len <= TILE_M and int(_min(lens)) >= 1, p)
+
+    def _perm_buffer(self, st: _Staging, total: int) -> np.ndarray:
+        """Where the permutation is written: the graph record's tail (restoring the identity the previous batch
+        of this staging buffer overwrote), or a scratch array that _emit places after the eager record."""
+        if not self.cuda_graph:
+            return self._perm_scratch
+        p = st.array[self._record_len - self.max_tokens:]
+        if st.perm_dirty > total:
+            p[total:st.perm_dirty] = self._iota[total:st.perm_dirty]
+        st.perm_dirty = total
+        return p
 
     def _copy(self, st: _Staging, length: int, dst: torch.Tensor | None) -> torch.Tensor:
         """Copies record[:length] to dst (a fresh device tensor when None), marks the staging buffer busy
@@ -362,7 +446,7 @@ class BatchInfoBuilder:
             stream = self._streams[raw] = torch.cuda.current_stream(self.device)
         return stream
 
-    def _info(self, wi, lens, indptr, perm, num_segments, max_seg_len, num_tokens) -> LoRABatchInfo:
+    def _info(self, wi, lens, indptr, perm, num_segments, max_seg_len, num_tokens, work, max_tiles) -> LoRABatchInfo:
         return LoRABatchInfo(seg_lens=lens, seg_indptr=indptr, weight_indices=wi, permutation=perm,
                              num_segments=num_segments, max_seg_len=max_seg_len, num_tokens=num_tokens,
-                             lora_ranks=self.lora_ranks, scalings=self.scalings)
+                             lora_ranks=self.lora_ranks, scalings=self.scalings, work=work, max_tiles=max_tiles)

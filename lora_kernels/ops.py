@@ -1,8 +1,9 @@
-"""Public SGMV ops with backend choice (DESIGN.md §5).
+"""Public SGMV ops (DESIGN.md §5): argument validation and the wrappers that hand over to a backend.
 
-Backends: "cuda" (the compiled extension), "triton", "torch" (reference.py). The default comes from
-LORA_KERNELS_BACKEND (else "auto"): on CUDA inputs, whichever of Triton and the CUDA extension the
-kernel benchmark measured faster for the batch's regime (_backends.auto_backend), else torch. An explicitly requested backend that cannot run raises; "auto" never does.
+Backends live in lora_kernels/backends/ ("cuda", "triton", "torch"). The default comes from
+LORA_KERNELS_BACKEND (else "auto": on CUDA inputs, the backend the generated table measured fastest for
+the batch's regime, see backends/auto.py; on the CPU, torch). An explicitly requested backend that
+cannot run raises; "auto" never does.
 """
 
 from __future__ import annotations
@@ -12,32 +13,24 @@ from typing import Sequence
 
 import torch
 
-from lora_kernels import _backends as _be
+from lora_kernels import backends
+from lora_kernels.backends import auto
 from lora_kernels.batch_info import LoRABatchInfo
+from lora_kernels.limits import DTYPES as _DTYPES, MAX_RANK, MAX_SLICES
 
-BACKENDS = ("auto", "cuda", "triton", "torch")
-MAX_RANK = 256
-MAX_SLICES = 4
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("auto", *backends.NAMES)
 
 
 def resolve_backend(backend: str | None, device: torch.device, info: LoRABatchInfo | None = None) -> str:
     """The backend that will run for inputs on `device` (and batch `info`); raises if an explicit choice cannot."""
     name = backend or os.environ.get("LORA_KERNELS_BACKEND") or "auto"
     if name == "auto":
-        return _be.auto_backend(device, info)
+        return auto.choose(device, info)
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name == "cuda":
-        if not _be.HAS_CUDA_EXT:
-            raise RuntimeError(f"backend='cuda' requested but the CUDA extension is not available: {_be.CUDA_EXT_ERROR}")
-        if device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
-    elif name == "triton":
-        if _be.triton_ops() is None:
-            raise RuntimeError(f"backend='triton' requested but Triton is not available: {_be.TRITON_ERROR}")
-        if device.type != "cuda" and not _be.TRITON_INTERPRET:
-            raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}")
+    err = backends.unavailable(name, device)
+    if err is not None:
+        raise type(err)(f"backend={name!r} {err}")
     return name
 
 
@@ -124,7 +117,7 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, info: LoRABatchInfo, num_
     name = resolve_backend(backend, x.device, info)
     if out is None:
         out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    _be.get(name).sgmv_shrink(x, lora_a, info, num_slices, out)
+    backends.get(name).sgmv_shrink(x, lora_a, info, num_slices, out)
     return out
 
 
@@ -139,7 +132,7 @@ def sgmv_expand(v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo, slic
     slice_offsets = tuple(slice_offsets)
     _check_expand(v, lora_b, info, slice_offsets, out)
     name = resolve_backend(backend, out.device, info)
-    _be.get(name).sgmv_expand(v, lora_b, info, slice_offsets, out)
+    backends.get(name).sgmv_expand(v, lora_b, info, slice_offsets, out)
     return out
 
 
@@ -160,5 +153,5 @@ def apply_lora(x: torch.Tensor, base_out: torch.Tensor, lora_a: torch.Tensor, lo
     if lora_b.shape[2] * num_slices != lora_a.shape[1]:
         raise ValueError(f"lora_a has {lora_a.shape[1]} rows but num_slices*R = {num_slices}*{lora_b.shape[2]}")
     name = resolve_backend(backend, x.device, info)
-    _be.get(name).apply_lora(x, base_out, lora_a, lora_b, info, slice_offsets)
+    backends.get(name).apply_lora(x, base_out, lora_a, lora_b, info, slice_offsets)
     return base_out

@@ -57,21 +57,9 @@ class Case:
 
 def make_info(seg_lens, slots, perm, lora_ranks, scalings, device, cap_segments=None, max_seg_len=None):
     """A LoRABatchInfo built directly (not by the builder), optionally padded to a capacity."""
-    cap = cap_segments or max(len(seg_lens), 1)
-    lens = np.zeros(cap, np.int32)
-    lens[: len(seg_lens)] = seg_lens
-    wi = np.full(cap, -1, np.int32)
-    wi[: len(slots)] = slots
-    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-
-    def dev(a):
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-
-    return LoRABatchInfo(
-        seg_lens=dev(lens), seg_indptr=dev(indptr), weight_indices=dev(wi),
-        permutation=None if perm is None else dev(perm),
-        num_segments=len(seg_lens), max_seg_len=max_seg_len or max(seg_lens, default=0),
-        num_tokens=int(sum(seg_lens)), lora_ranks=lora_ranks, scalings=scalings)
+    perm_t = None if perm is None else torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int32)).to(device)
+    return LoRABatchInfo.from_segments(seg_lens, slots, lora_ranks, scalings, perm_t, cap_segments=cap_segments,
+                                       max_seg_len=max_seg_len)
 
 
 def make_case(rng: np.random.Generator, *, num_slots=6, max_rank=16, ranks=None, slice_widths=(48,), in_dim=64,

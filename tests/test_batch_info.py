@@ -73,9 +73,30 @@ def check_info(builder, info, counts, slots, sort):
             assert got_perm == perm + list(range(tokens, T))
         else:
             assert got_perm == perm
-    for t in (info.seg_lens, info.seg_indptr, info.weight_indices):
+    for t in (info.seg_lens, info.seg_indptr, info.weight_indices, info.work):
         assert t.dtype == torch.int32 and t.device == builder.device
     assert info.lora_ranks is builder.lora_ranks and info.scalings is builder.scalings
+    check_work(info, lens, seg_slots, len(counts) if decode else None)
+
+
+def check_work(info, lens, seg_slots, decode_rows):
+    """The work list: TILE_M-row tiles of every non-empty segment in segment order, slot -1 ones included
+    (graph-mode decode: one tile per request, padding segments left out)."""
+    from lora_kernels.batch_info import TILE_M
+
+    m = info.max_tiles
+    work = info.work.tolist()
+    assert len(work) == 1 + 3 * m
+    expected = []
+    start = 0
+    for s, (n, slot) in enumerate(zip(lens, seg_slots)):
+        if decode_rows is not None and s >= decode_rows:
+            break
+        expected += [(slot, r, start + n) for r in range(start, start + n, TILE_M)]
+        start += n
+    count = work[0]
+    got = list(zip(work[1:1 + count], work[1 + m:1 + m + count], work[1 + 2 * m:1 + 2 * m + count]))
+    assert got == expected
 
 
 def row_slots(info, num_rows):
@@ -163,11 +184,10 @@ def test_graph_mode_addresses_never_change():
             info = builder.build(counts, slots, sort_by_adapter=sort)
             family = builder.graph_family(info)
             ptrs = tuple(None if t is None else t.data_ptr() for t in
-                         (info.seg_lens, info.seg_indptr, info.weight_indices, info.permutation))
+                         (info.seg_lens, info.seg_indptr, info.weight_indices, info.permutation, info.work))
             assert seen.setdefault(family, ptrs) == ptrs, family
             check_info(builder, info, counts, slots, sort)
     assert set(seen) == {("decode", False), ("general", False), ("general", True)}
-    assert seen[("decode", False)][2] == seen[("general", False)][2] == seen[("general", True)][2]
 
 
 def test_graph_decode_copies_only_weight_indices():

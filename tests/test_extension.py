@@ -17,7 +17,8 @@ BUILD_OFF = os.environ.get("LORA_KERNELS_BUILD_CUDA") == "0"
 @pytest.mark.skipif(not NVCC or BUILD_OFF or torch.version.cuda is None,
                     reason="no nvcc / CUDA torch: the extension is not expected")
 def test_extension_built_and_ops_registered():
-    from lora_kernels import _backends, _build_meta
+    from lora_kernels import _build_meta
+    from lora_kernels.backends import cuda as _backends
 
     assert lk.HAS_CUDA_EXT, f"extension failed to load: {_backends.CUDA_EXT_ERROR}"
     assert _build_meta.CUDA_EXTENSION_BUILT

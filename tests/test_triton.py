@@ -14,21 +14,22 @@ import torch
 import lora_kernels as lk
 from cases import (POPULARITY, TOL, llama_case, make_case, make_info, popularity_slots, rel_err, rowloop_expand,
                    rowloop_shrink)
-from lora_kernels import _backends, reference
-from lora_kernels.triton import plan
+from lora_kernels import backends, reference
+from lora_kernels.backends.triton import plan
 
-pytestmark = pytest.mark.skipif(_backends.triton_ops() is None or not (torch.cuda.is_available() or _backends.TRITON_INTERPRET),
-                                reason="Triton backend unavailable")
+pytestmark = pytest.mark.skipif(backends.unavailable("triton", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+                                is not None, reason="Triton backend unavailable")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
 GPU = pytest.mark.gpu
 
-# Tiny blocks: on small shapes they force several column tiles per program, K splits, rank chunks and
-# row tiles.
+# Tiny blocks: on small shapes they force several column tiles, K splits, rank chunks and (with one
+# program per SM) persistent programs that walk several work items.
 SMALL_TABLE = {
-    "decode": (plan.ShrinkCfg(1, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(1, 16, 16, 2, 4, 1)),
-    "mixed": (plan.ShrinkCfg(16, 16, 16, 1 << 20, 8, 4, 2), plan.ExpandCfg(16, 16, 16, 2, 4, 1)),
-    "prefill": (plan.ShrinkCfg(32, 16, 16, 0, 1, 4, 2), plan.ExpandCfg(32, 16, 16, 2, 4, 1)),
+    "shrink": {"block_n": 16, "block_k": 16, "block_k_wide": 16, "k_chunk_min": 16, "max_split": 8, "num_warps": 4,
+               "num_stages": 2, "ctas_per_sm": 1},
+    "reduce": {"block_n": 16, "num_warps": 4, "min_rows": 1024},
+    "expand": {"block_n": 16, "block_r": 16, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1},
 }
 
 
@@ -183,16 +184,24 @@ def test_general_capacity(dtype, permute, table):
     check_case(case, _capacity_info(case, cap_segments=6, max_seg_len=case.x.shape[0]))
 
 
-def test_prefill_regime(monkeypatch):
-    """The prefill block table (long segments, no split), reached on a small shape by lowering the row bar."""
-    monkeypatch.setattr(plan, "PREFILL_ROWS", 16)
-    monkeypatch.setattr(plan, "PREFILL_SEG_LEN", 8)
+def test_reduce_first(monkeypatch):
+    """apply_lora with the partials reduced once before the expand (large batches), reached on a small shape
+    by lowering the row bar; the result is bit-identical to the expand summing them itself."""
+    monkeypatch.setattr(plan, "TABLE", SMALL_TABLE)
     plan.clear_cache()
     rng = np.random.default_rng(13)
     case = make_case(rng, num_slots=3, max_rank=16, ranks=[16, 5, 11], slice_widths=(32, 17), in_dim=64,
                      seg_lens=[40, 25], slots=[0, 2], dtype=torch.float32, device=DEVICE, permute=True)
-    assert plan.regime(case.x.shape[0], case.info.max_seg_len) == "prefill"
+    assert not plan.reduce_first(case.x.shape[0])
+    out_summed = case.base.clone()
+    lk.apply_lora(case.x, out_summed, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+    monkeypatch.setattr(plan, "TABLE", {**SMALL_TABLE, "reduce": {**SMALL_TABLE["reduce"], "min_rows": 16}})
+    plan.clear_cache()
+    assert plan.reduce_first(case.x.shape[0])
     check_case(case)
+    out = case.base.clone()
+    lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+    assert torch.equal(out, out_summed)
     plan.clear_cache()
 
 
@@ -220,12 +229,65 @@ def test_shrink_into_input_dtype():
     assert rel_err(v, v_ref) <= TOL[torch.float16]
 
 
-def test_plans_depend_on_capacity_only():
-    """The launch plan is a function of host capacities: equal for different batches of one capacity."""
-    p1 = plan.shrink_plan(64, 4096, 3, 16, torch.bfloat16, 16, 64, True)
-    p2 = plan.shrink_plan(64, 4096, 3, 16, torch.bfloat16, 16, 64, True)
-    assert p1 is p2 and p1.grid[1] == min(16 * 4, 4 + 16, 64)
-    assert plan.regime(1, 1) == "decode" and plan.regime(64, 64) == "mixed" and plan.regime(8192, 1024) == "prefill"
+def test_plans_depend_on_shapes_only():
+    """Split-K and blocks are functions of the shapes: the same plan for any batch, capacity or sort."""
+    dev = torch.device(DEVICE)
+    p1 = plan.shrink_plan(4096, 3, 16, torch.bfloat16, True, dev)
+    assert p1 is plan.shrink_plan(4096, 3, 16, torch.bfloat16, True, dev)
+    assert p1.split == 8 and p1.k_chunk == 512 and p1.kw["BLOCK_M"] == lk.batch_info.TILE_M
+    assert plan.shrink_plan(14336, 1, 64, torch.bfloat16, False, dev).split == 8
+    e = plan.expand_plan((0, 4096, 5120, 6144), 16, torch.bfloat16, False, 8, dev)
+    assert e.n_tiles == 48 and e.kw["SPLIT"] == 8
+
+
+def _batch_rows(rng, n, num_slots, target_slots):
+    """n decode requests: slots of the rows under test (target_slots) at random places among random others."""
+    slots = [int(s) for s in rng.integers(-1, num_slots, n)]
+    where = rng.choice(n, len(target_slots), replace=False)
+    for w, s in zip(where, target_slots):
+        slots[w] = s
+    return slots, where
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_batch_invariance_interpreter(dtype):
+    """The same rows inside batches of other sizes, orders, sorted or not, eager or graph-mode infos: outputs
+    bit-identical (torch.equal). CPU interpreter on a small shape; the GPU test covers bf16 and real sizes."""
+    _check_invariance(np.random.default_rng(21), dtype, DEVICE, in_dim=96, widths=(32, 16), max_rank=16,
+                      sizes=(1, 3, 8, 13, 20), num_slots=5)
+
+
+def _check_invariance(rng, dtype, device, in_dim, widths, max_rank, sizes, num_slots, cuda_graph_sizes=()):
+    S, R = len(widths), max_rank
+    offs = tuple(int(v) for v in np.concatenate([[0], np.cumsum(widths)]))
+    a = torch.randn(num_slots, S * R, in_dim, device=device).mul_(in_dim ** -0.5).to(dtype)
+    b = torch.randn(num_slots, offs[-1], R, device=device).mul_(R ** -0.5).to(dtype)
+    ranks = torch.tensor([int(rng.integers(1, R + 1)) for _ in range(num_slots)], dtype=torch.int32, device=device)
+    scal = torch.rand(num_slots, device=device) + 0.5
+    target_slots = [int(s) for s in rng.integers(0, num_slots, 3)]
+    xt = torch.randn(3, in_dim, device=device).to(dtype)
+    bt = torch.randn(3, offs[-1], device=device).to(dtype)
+    results = []
+    for k, n in enumerate(sizes):
+        for sort in (False, True):
+            graph = k in cuda_graph_sizes
+            slots, where = _batch_rows(rng, max(n, 3), num_slots, target_slots)
+            T = len(slots)
+            x = torch.randn(T, in_dim, device=device).to(dtype)
+            out = torch.randn(T, offs[-1], device=device).to(dtype)
+            x[torch.as_tensor(where, device=device)] = xt
+            out[torch.as_tensor(where, device=device)] = bt
+            builder = lk.BatchInfoBuilder(max(T, 64) if graph else T, max(T, 64) if graph else T, ranks, scal,
+                                          cuda_graph=graph)
+            info = builder.build([1] * T, slots, sort_by_adapter=sort)
+            if graph:  # the graph-mode info covers capacity rows
+                pad = info.num_tokens - T
+                x = torch.cat([x, torch.randn(pad, in_dim, device=device).to(dtype)])
+                out = torch.cat([out, torch.randn(pad, offs[-1], device=device).to(dtype)])
+            lk.apply_lora(x, out, a, b, info, offs, backend="triton")
+            results.append(out[torch.as_tensor(where, device=device)])
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
 
 
 # ---- GPU: the full grid, bf16 included, at realistic sizes ----
@@ -266,11 +328,11 @@ def test_gpu_llama_shapes_bf16(batch, shape, rank):
 
 @GPU
 def test_gpu_fast_launch_reuse_and_alignment(monkeypatch):
-    """Later launches reuse the compiled kernel (launch.py, opt-in): same bits as the first, JIT-launched
+    """Later launches reuse the compiled kernel (launch.py): same bits as the first, JIT-launched
     call; a pointer of another alignment (a view 1 element into its storage) gets its own compiled kernel."""
     import importlib
 
-    launch = importlib.import_module("lora_kernels.triton.launch")  # the package re-exports a function of that name
+    launch = importlib.import_module("lora_kernels.backends.triton.launch")  # the package re-exports a function of that name
     monkeypatch.setattr(launch, "FAST", True)
     rng = np.random.default_rng(16)
     case = make_case(rng, num_slots=4, max_rank=16, slice_widths=(64, 32), in_dim=256, seg_lens=[1, 1, 1, 1],
@@ -288,7 +350,7 @@ def test_gpu_fast_launch_reuse_and_alignment(monkeypatch):
     out = case.base.clone()
     lk.apply_lora(x_odd, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
     assert rel_err(out, outs[0]) <= TOL[torch.bfloat16]  # other vector widths may sum in another order
-    p = plan.shrink_plan(case.x.shape[0], 256, 2, 16, torch.bfloat16, 4, 1, False)
+    p = plan.shrink_plan(256, 2, 16, torch.bfloat16, False, torch.device("cuda"))
     assert len(p.runs) == 2
     check_case(case, truth=Reference64)  # shrink with its reduction, expand: 2-D grids through the cache
     check_case(case, truth=Reference64)

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from lora_kernels import _backends
+from lora_kernels.backends import cuda as _backends
 
 
 def _check(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], need_pinned: bool) -> None:

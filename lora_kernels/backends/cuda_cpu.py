@@ -1,5 +1,5 @@
-"""Fake (meta) kernels of the compiled ops, so torch.compile and torch.library.opcheck can trace them,
-and CPU kernels (the reference) so the same schemas run, and are op-checked, on a CPU-only machine."""
+"""CPU kernels (the reference) for the extension's SGMV schemas, so the same ops run, and are
+op-checked, on a CPU-only machine (CI)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,6 @@ from lora_kernels import reference
 
 
 def register() -> None:
-    @torch.library.register_fake("lora_kernels::sgmv_shrink")
-    def _shrink_fake(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, max_seg_len, v):
-        return None
-
-    @torch.library.register_fake("lora_kernels::sgmv_expand")
-    def _expand_fake(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
-                     max_seg_len, out):
-        return None
-
-    @torch.library.register_fake("lora_kernels::batched_h2d_copy")
-    def _copy_fake(srcs, dsts):
-        return None
-
     @torch.library.impl("lora_kernels::sgmv_shrink", "CPU")
     def _shrink_cpu(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, max_seg_len, v):
         reference.sgmv_shrink(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, v)
@@ -31,14 +18,6 @@ def register() -> None:
                     max_seg_len, out):
         reference.sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation,
                               slice_offsets, out)
-
-    if not hasattr(torch.ops.lora_kernels, "sgmv_apply"):  # a _C built before the fused op existed
-        return
-
-    @torch.library.register_fake("lora_kernels::sgmv_apply")
-    def _apply_fake(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
-                    max_seg_len, out):
-        return None
 
     @torch.library.impl("lora_kernels::sgmv_apply", "CPU")
     def _apply_cpu(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,

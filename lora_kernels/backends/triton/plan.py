@@ -1,0 +1,139 @@
+"""Launch plans of the Triton SGMV kernels, from shapes only (the batch-invariance rule), cached.
+
+Block sizes and split-K follow from (in_dim, S*R, out widths, dtype) and the generated block table
+(`lora_kernels/backends/tables.py`, written by `bench/bench_kernels.py --tune`), never from the batch.
+Host ints that vary with the batch or the graph capacity size only the persistent grid (a fixed
+multiple of the SM count, capped by the work list's capacity), never a reduction.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_kernels.backends import tables
+from lora_kernels.batch_info import TILE_M
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+TABLE = dict(tables.TRITON_BLOCKS)  # may be replaced for experiments, followed by clear_cache()
+_cache: dict = {}
+_sms: dict = {}
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_sms(device: torch.device) -> int:
+    """SM count of `device` (4 under the interpreter, so that persistent loops run several items)."""
+    if INTERPRET or device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sms:
+        _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sms[idx]
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: sm90+, not under the interpreter, LORA_KERNELS_PDL != 0."""
+    if INTERPRET or device.type != "cuda" or os.environ.get("LORA_KERNELS_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class ShrinkPlan:
+    split: int
+    k_chunk: int
+    n_tiles: int  # column tiles of the S*R axis
+    kw: dict  # constexprs + launch options (PARTIAL added by the caller)
+    reduce_kw: dict
+    reduce_tiles: int
+    ctas: int  # persistent programs per SM
+    runs: dict = field(default_factory=dict)  # compiled launchers (launch.py)
+
+
+def shrink_plan(in_dim: int, num_slices: int, max_rank: int, dtype: torch.dtype, has_perm: bool,
+                device: torch.device) -> ShrinkPlan:
+    key = ("s", in_dim, num_slices, max_rank, dtype, has_perm, device)
+    plan = _cache.get(key)
+    if plan is not None:
+        return plan
+    c = TABLE["shrink"]
+    nr = num_slices * max_rank
+    bn = max(16, min(_pow2(nr), c["block_n"]))
+    bk = max(16, min(c["block_k"] if bn <= 128 else c["block_k_wide"], _pow2(in_dim)))
+    split = max(1, min(c["max_split"], _cdiv(in_dim, c["k_chunk_min"])))
+    k_chunk = _cdiv(_cdiv(in_dim, split), bk) * bk
+    split = _cdiv(in_dim, k_chunk)
+    pdl = use_pdl(device)
+    kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, bn), BLOCK_M=TILE_M, BLOCK_N=bn, BLOCK_K=bk,
+              DOT_PREC=_dot_prec(dtype), PDL=pdl, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    r = TABLE["reduce"]
+    rbn = max(16, min(_pow2(nr), r["block_n"]))
+    reduce_kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, rbn), BLOCK_M=TILE_M, BLOCK_N=rbn, PDL=pdl,
+                     num_warps=r["num_warps"])
+    if pdl:
+        kw["launch_pdl"] = reduce_kw["launch_pdl"] = True
+    plan = ShrinkPlan(split, k_chunk, _cdiv(nr, bn), kw, reduce_kw, _cdiv(nr, rbn), c["ctas_per_sm"])
+    _cache[key] = plan
+    return plan
+
+
+@dataclass(frozen=True)
+class ExpandPlan:
+    n_tiles: int
+    scalars: tuple  # off1, off2, off3, t1, t2, t3 (kernel scalars)
+    kw: dict
+    ctas: int
+    runs: dict = field(default_factory=dict)
+
+
+def expand_plan(slice_offsets: tuple, max_rank: int, dtype: torch.dtype, has_perm: bool, n_split: int,
+                device: torch.device) -> ExpandPlan:
+    key = ("e", slice_offsets, max_rank, dtype, has_perm, n_split, device)
+    plan = _cache.get(key)
+    if plan is not None:
+        return plan
+    c = TABLE["expand"]
+    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
+    bn = max(16, min(c["block_n"], _pow2(max(widths))))
+    br = max(16, min(c["block_r"], _pow2(max_rank)))
+    tiles = [_cdiv(w, bn) for w in widths]
+    starts = [sum(tiles[: i + 1]) for i in range(len(tiles))]  # t1, t2, ... (cumulative)
+    total = starts[-1]
+    out_total = slice_offsets[-1]
+    offs = list(slice_offsets[1:-1]) + [out_total] * (4 - len(widths))
+    ts = starts[:-1] + [total] * (4 - len(widths))
+    kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, BLOCK_M=TILE_M, BLOCK_N=bn, BLOCK_R=br,
+              DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if kw["PDL"]:
+        kw["launch_pdl"] = True
+    plan = ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
+    _cache[key] = plan
+    return plan
+
+
+def grid(items_upper: int, ctas_per_sm: int, device: torch.device) -> tuple:
+    """Persistent grid: enough programs to fill the GPU, never more than the work list can need."""
+    return (max(1, min(items_upper, num_sms(device) * ctas_per_sm)),)
+
+
+def reduce_first(rows: int) -> bool:
+    """apply_lora reduces the split-K partials once (a third launch) instead of in every expand column tile
+    from this many rows of x on: the same sums either way, so the choice changes no bit."""
+    return rows >= TABLE["reduce"]["min_rows"]
