@@ -74,18 +74,30 @@ def time_graph_us(fn: Callable[[], object] | Sequence[Callable[[], object]], inn
     (the same work on different buffers) is captured in rotation, so data a call leaves in L2 is not
     what the next call reads (pass enough of them to exceed the L2 size)."""
     fns = list(fn) if isinstance(fn, Sequence) else [fn]
-    inner = max(inner, len(fns))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(inner):
-            fns[i % len(fns)]()
-    return time_cuda_us(graph.replay, warmup=warmup, reps=reps) / inner
+    return GraphTimer(fns, inner).time_us(reps=reps, warmup=warmup)
+
+
+class GraphTimer:
+    """A CUDA graph of `inner` calls of fns (rotated, as in `time_graph_us`), captured once; `time_us` times
+    its replays, so several variants can be timed in interleaved rounds without recapturing."""
+
+    def __init__(self, fns: Sequence[Callable[[], object]], inner: int = 20):
+        fns = list(fns)
+        self.inner = max(inner, len(fns))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for i in range(self.inner):
+                fns[i % len(fns)]()
+
+    def time_us(self, reps: int = 30, warmup: int = 2) -> float:
+        """Median µs per call over `reps` replays."""
+        return time_cuda_us(self.graph.replay, warmup=warmup, reps=reps) / self.inner
 
 
 def time_host_us(fn: Callable[[], object], warmup: int = 50, reps: int = 2000) -> dict:

@@ -227,6 +227,9 @@ class BatchInfoBuilder:
         self._req_slots = np.empty(S, dtype=np.int32)  # sort_by_adapter: the requests before grouping
         self._perm_scratch = np.empty(T, dtype=np.int32)  # eager sort_by_adapter: placed after the record
         self._flags = np.empty(S, dtype=bool)
+        self._sorted_slots = np.empty(S, dtype=np.int32)
+        self._seg_scratch = np.empty(S, dtype=np.int32)
+        self._keys16 = np.empty(S, dtype=np.uint16)
         self._streams = {}  # raw CUDA stream -> torch Stream, so recording an event costs no Stream creation
         self._dev_index = self.device.index if self._is_cuda else -1
         if cuda_graph:
@@ -388,27 +391,39 @@ class BatchInfoBuilder:
             raise ValueError(f"{total} tokens exceed max_tokens={T}")
         if not n:
             return self._emit(st, w[:0], c[:0], 0, 0, False, self._perm_buffer(st, 0))
-        order = np.argsort(w, kind="stable")
-        ss = w[order]
+        order = self._sort_order(w)
+        ss = np.take(w, order, out=self._sorted_slots[:n])
         new = self._flags[:n]
         new[0] = True
         np.not_equal(ss[1:], ss[:-1], out=new[1:])
         first = np.flatnonzero(new)  # first sorted request of each segment
         k = first.size
+        lens = self._seg_scratch[:k]
         p = self._perm_buffer(st, total)
         if total == n:  # one row per request (decode): the permutation is the sort order
             p[:n] = order
-            lens = np.diff(np.append(first, n)).astype(np.int32)
+            np.subtract(first[1:], first[:-1], out=lens[:k - 1])
+            lens[k - 1] = n - first[-1]
         else:
             cs = c[order]
             end = np.cumsum(cs, dtype=np.int32)  # end of each sorted request (int32: partial sums <= total)
-            starts = np.append(0, end[first[1:] - 1])
-            lens = np.diff(np.append(starts, total)).astype(np.int32)
+            starts = end[first - 1]
+            starts[0] = 0
+            np.subtract(starts[1:], starts[:-1], out=lens[:k - 1])
+            lens[k - 1] = total - starts[-1]
             # Segmented row i of sorted request j is physical row start_j + (i - segmented start_j).
             shift = (np.cumsum(c, dtype=np.int32) - c)[order] - end + cs
             np.add(np.repeat(shift, cs), self._iota[:total], out=p[:total])
-        max_len = int(_max(lens))
-        return self._emit(st, ss[first], lens, k, max_len, max_len <= TILE_M and int(_min(lens)) >= 1, p)
+        max_len, min_len = int(_max(lens)), int(_min(lens))
+        return self._emit(st, ss[first], lens, k, max_len, max_len <= TILE_M and min_len >= 1, p)
+
+    def _sort_order(self, w: np.ndarray) -> np.ndarray:
+        """Stable argsort of the slots; as uint16 keys numpy sorts them by radix (O(n), 2-3x faster)."""
+        if self.num_slots < 65535:
+            keys = self._keys16[:w.size]
+            np.add(w, 1, out=keys, casting="unsafe")
+            return np.argsort(keys, kind="stable")
+        return np.argsort(w, kind="stable")
 
     def _perm_buffer(self, st: _Staging, total: int) -> np.ndarray:
         """Where the permutation is written: the graph record's tail (restoring the identity the previous batch
