@@ -296,7 +296,7 @@ def tune_candidates() -> list[dict]:
     knobs = [("shrink", "ctas_per_sm", 2), ("shrink", "ctas_per_sm", 8), ("shrink", "k_chunk_min", 256),
              ("shrink", "k_chunk_min", 1024), ("shrink", "num_stages", 4), ("shrink", "block_k", 64),
              ("expand", "ctas_per_sm", 4), ("expand", "ctas_per_sm", 16), ("expand", "block_n", 64),
-             ("expand", "block_n", 256), ("expand", "num_warps", 8), ("reduce", "min_rows", 256)]
+             ("expand", "block_n", 256), ("expand", "num_stages", 3), ("expand", "num_warps", 8), ("reduce", "min_rows", 256)]
     out = [base]
     for kernel, key, value in knobs:
         if base[kernel][key] != value:

@@ -29,7 +29,7 @@ SMALL_TABLE = {
     "shrink": {"block_n": 16, "block_k": 16, "block_k_wide": 16, "k_chunk_min": 16, "max_split": 8, "num_warps": 4,
                "num_stages": 2, "ctas_per_sm": 1},
     "reduce": {"block_n": 16, "num_warps": 4, "min_rows": 1024},
-    "expand": {"block_n": 16, "block_r": 16, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1},
+    "expand": {"block_n": 16, "tile_elems": 256, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1},
 }
 
 

@@ -7,7 +7,7 @@
 TRITON_BLOCKS = {
     "shrink": {"block_n": 256, "block_k": 128, "block_k_wide": 64, "k_chunk_min": 512, "max_split": 8, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 4},
     "reduce": {"block_n": 64, "num_warps": 4, "min_rows": 1024},
-    "expand": {"block_n": 128, "block_r": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 8},
+    "expand": {"block_n": 128, "tile_elems": 8192, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 8},
 }
 
 AUTO = {"decode": "triton", "mixed": "triton", "prefill": "triton", "one_segment": "cuda"}

@@ -1,19 +1,21 @@
-"""Triton SGMV kernels (DESIGN.md §5), v3: persistent grids over the builder's work list.
+"""Triton SGMV kernels (DESIGN.md §5), v3: fixed-size grids over the builder's work list.
 
 Work list (batch_info.py): `work[0]` = number of tiles; tile t covers segmented rows
-[row0[t], end[t]) (at most TILE_M of them, one segment) with adapter slot[t], where
+[row0[t], end[t]) (at most TILE_M = BLOCK_M rows of one segment) with adapter slot[t], where
 slot = work[1 + t], row0 = work[1 + MT + t], end = work[1 + 2 MT + t] (MT = the list's capacity).
-A grid of fixed size walks items w = pid, pid + G, ... below (number of tiles) x (items per tile), so a
-CUDA graph captured once replays for any batch and the cost follows the real tiles.
+A kernel's items are (tile, inner index) pairs numbered tile-major; its P programs (a fixed multiple of
+the SM count) each take one contiguous chunk of ceil(items / P) of them, so a program reads a tile's
+metadata once and then streams consecutive column tiles or K splits of it. A CUDA graph captured
+once replays for any batch; the cost follows the real tiles.
 
-Batch invariance: every reduction runs in an order fixed by the shapes alone. The shrink splits K into
-SPLIT chunks (SPLIT from in_dim only); each chunk is one `tl.dot` chain over BLOCK_K steps in a fixed
-BLOCK_M x BLOCK_N x BLOCK_K tile whatever the batch; the partials are added in split order by one
-helper (`_sum_splits`), in the expand or in the reduction kernel. A row's bits therefore do not depend
-on its tile's other rows, the grid size, sorting or capture.
+Batch invariance: every reduction runs in an order fixed by the shapes alone. Each row goes through
+the same BLOCK_M-row `tl.dot`s whatever the batch; the shrink splits K into SPLIT chunks (SPLIT from
+in_dim only), each one dot chain over BLOCK_K steps; the partials are added in split order by
+`_sum_splits` (in the expand or in the reduction kernel). A row's bits therefore do not depend on the
+other rows of its tile, the grid, sorting or capture.
 
-PDL (sm90+): kernels call `gdc_launch_dependents` first and read what no earlier kernel writes (the work
-list, ranks, adapter weights) before `gdc_wait`; x, the partials and out are read after it.
+PDL (sm90+): kernels call `gdc_launch_dependents` first; the shrink reads its first adapter block (no
+earlier kernel writes adapters) before `gdc_wait`; x, the partials and out are read after it.
 """
 
 import triton
@@ -46,6 +48,14 @@ def _rank(slot, lora_ranks):
 
 
 @triton.jit
+def _chunk(items):
+    """This program's contiguous range [start, stop) of `items` work items."""
+    per = tl.cdiv(items, tl.num_programs(0))
+    start = tl.program_id(0) * per
+    return start, tl.minimum(start + per, items)
+
+
+@triton.jit
 def _sum_splits(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride, SPLIT: tl.constexpr):
     """sum_s ws[s, rows, cols] in fp32, added strictly in split order (the batch-invariant reduction)."""
     ptrs = ws_ptr + rows[:, None] * row_stride + cols[None, :]
@@ -70,17 +80,15 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr,
     """
     if PDL:
         _gdc.gdc_launch_dependents()
-    per_tile = N_TILES * SPLIT
-    total = tl.load(work) * per_tile
-    for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        t = w // per_tile
-        ks = w % SPLIT
-        slot, row0, end = _tile(work, t, MT)
+    start, stop = _chunk(tl.load(work) * (N_TILES * SPLIT))
+    for w in range(start, stop):
+        slot, row0, end = _tile(work, w // (N_TILES * SPLIT), MT)
         rank, slot64 = _rank(slot, lora_ranks)
         need = rank > 0
         if not PARTIAL:  # v itself: zeros are written for rank-0 tiles too
             need = rank >= 0
         if need:
+            ks = w % SPLIT
             rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
             cols = ((w // SPLIT) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < NR
@@ -117,68 +125,80 @@ def _reduce_kernel(ws_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, R, NR, num_r
     """v[row, c] = sum_s ws[s, row, c] for live columns, 0 for the rest of every covered row."""
     if PDL:
         _gdc.gdc_launch_dependents()
-    total = tl.load(work) * N_TILES
-    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        _gdc.gdc_wait()
+    start, stop = _chunk(tl.load(work) * N_TILES)
+    for w in range(start, stop):
         slot, row0, end = _tile(work, w // N_TILES, MT)
         rank, slot64 = _rank(slot, lora_ranks)
         rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
         cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < NR
         live = col_mask & ((cols % R) < rank)
-        if PDL:
-            _gdc.gdc_wait()
         acc = _sum_splits(ws_ptr, rows, row_mask, cols, live, num_rows * NR, NR, SPLIT)
         tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _slice_of(t, t1, t2, t3, off1, off2, off3, OUT):
-    """Slice i of column tile t (slice i owns tiles [t_i, t_{i+1})), its first tile and its column range."""
-    i = (t >= t1).to(tl.int32) + (t >= t2).to(tl.int32) + (t >= t3).to(tl.int32)
-    lo = tl.where(i == 0, 0, tl.where(i == 1, off1, tl.where(i == 2, off2, off3)))
-    hi = tl.where(i == 0, off1, tl.where(i == 1, off2, tl.where(i == 2, off3, OUT)))
-    t0 = tl.where(i == 0, 0, tl.where(i == 1, t1, tl.where(i == 2, t2, t3)))
-    return i, t0, lo, hi
+def _pick(i: tl.constexpr, a0, a1, a2, a3):
+    if i == 0:
+        return a0
+    elif i == 1:
+        return a1
+    elif i == 2:
+        return a2
+    else:
+        return a3
 
 
 @triton.jit(do_not_specialize=["MT", "num_rows"])
 def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                    MT, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3,
-                   HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr,
+                   HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
                    PDL: tl.constexpr):
     """Item (tile, column tile): out[row, n] += scaling * sum_{j<rank} v[row, i*R + j] * B[slot, n, j].
 
-    Column tiles of all slices are numbered 0..N_TILES (see `_slice_of`). v is the sum of SPLIT
-    partials (SPLIT = 1: v itself). Rows of slot -1 / rank-0 tiles are not touched.
+    Column tiles of all slices are numbered 0..N_TILES (slice i owns tiles [t_i, t_{i+1}) and columns
+    [off_i, off_{i+1})). v (the sum of SPLIT partials; SPLIT = 1: v itself) is loaded once per slice of
+    a tile, then the program streams that slice's column tiles of its chunk. Rows of slot -1 / rank-0
+    tiles are not touched.
     """
     if PDL:
         _gdc.gdc_launch_dependents()
-    total = tl.load(work) * N_TILES
-    for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        slot, row0, end = _tile(work, w // N_TILES, MT)
+        _gdc.gdc_wait()
+    start, stop = _chunk(tl.load(work) * N_TILES)
+    t = start // N_TILES
+    while t * N_TILES < stop:
+        slot, row0, end = _tile(work, t, MT)
         rank, slot64 = _rank(slot, lora_ranks)
         if rank > 0:
-            ct = w % N_TILES
-            i, t0, lo, hi = _slice_of(ct, t1, t2, t3, off1, off2, off3, OUT)
-            n = lo + (ct - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = n < hi
+            c0 = tl.maximum(start - t * N_TILES, 0)
+            c1 = tl.minimum(stop - t * N_TILES, N_TILES)
             rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
-            b_rows = b_ptr + (slot64 * OUT + n[:, None]) * R
             scale = tl.load(scalings + slot64)
             j = tl.arange(0, BLOCK_R)
-            bt = tl.load(b_rows + j[None, :], mask=n_mask[:, None] & (j < rank)[None, :], other=0.0)  # before the wait
-            if PDL:
-                _gdc.gdc_wait()
-            out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
-            mask = row_mask[:, None] & n_mask[None, :]
-            base = tl.load(out_ptrs, mask=mask, other=0.0)
-            vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j < rank, num_rows * NR, NR, SPLIT)
-            acc = tl.dot(vt.to(bt.dtype), tl.trans(bt), input_precision=DOT_PREC)
-            for r0 in range(BLOCK_R, rank, BLOCK_R):
-                j = r0 + tl.arange(0, BLOCK_R)
-                bt = tl.load(b_rows + j[None, :], mask=n_mask[:, None] & (j < rank)[None, :], other=0.0)
-                vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j < rank, num_rows * NR, NR, SPLIT)
-                acc = tl.dot(vt.to(bt.dtype), tl.trans(bt), acc, input_precision=DOT_PREC)
-            tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+            j_mask = j < rank
+            b_slot = b_ptr + slot64 * OUT * R
+            for i in tl.static_range(SLICES):
+                ts = _pick(i, 0, t1, t2, t3)
+                te = _pick(i, t1, t2, t3, N_TILES)  # the plan pads t_k / off_k of absent slices with the ends
+                lo = _pick(i, 0, off1, off2, off3)
+                hi = _pick(i, off1, off2, off3, OUT)
+                a = tl.maximum(c0, ts)
+                b = tl.minimum(c1, te)
+                if a < b:
+                    vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
+                    vt = vt.to(b_ptr.dtype.element_ty)
+                    for ct in range(a, b):
+                        n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+                        n_mask = n < hi
+                        bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :],
+                                     other=0.0)
+                        out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
+                        mask = row_mask[:, None] & n_mask[None, :]
+                        base = tl.load(out_ptrs, mask=mask, other=0.0)
+                        acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
+                        tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty),
+                                 mask=mask)
+        t += 1

@@ -44,6 +44,13 @@ def num_sms(device: torch.device) -> int:
     return _sms[idx]
 
 
+def _dev_key(device: torch.device) -> tuple:
+    """cuda and cuda:<current> name one device: one plan (and one cache of compiled launchers) for both."""
+    if device.type == "cuda" and device.index is None and not INTERPRET:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
+
+
 def use_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: sm90+, not under the interpreter, LORA_KERNELS_PDL != 0."""
     if INTERPRET or device.type != "cuda" or os.environ.get("LORA_KERNELS_PDL", "1") == "0":
@@ -69,7 +76,7 @@ class ShrinkPlan:
 
 def shrink_plan(in_dim: int, num_slices: int, max_rank: int, dtype: torch.dtype, has_perm: bool,
                 device: torch.device) -> ShrinkPlan:
-    key = ("s", in_dim, num_slices, max_rank, dtype, has_perm, device)
+    key = ("s", in_dim, num_slices, max_rank, dtype, has_perm, _dev_key(device))
     plan = _cache.get(key)
     if plan is not None:
         return plan
@@ -105,22 +112,22 @@ class ExpandPlan:
 
 def expand_plan(slice_offsets: tuple, max_rank: int, dtype: torch.dtype, has_perm: bool, n_split: int,
                 device: torch.device) -> ExpandPlan:
-    key = ("e", slice_offsets, max_rank, dtype, has_perm, n_split, device)
+    key = ("e", slice_offsets, max_rank, dtype, has_perm, n_split, _dev_key(device))
     plan = _cache.get(key)
     if plan is not None:
         return plan
     c = TABLE["expand"]
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
-    bn = max(16, min(c["block_n"], _pow2(max(widths))))
-    br = max(16, min(c["block_r"], _pow2(max_rank)))
+    br = max(16, _pow2(max_rank))  # the whole rank in one dot: v is loaded once per slice of a tile
+    bn = max(16, min(c["block_n"], _pow2(max(widths)), c["tile_elems"] // br))
     tiles = [_cdiv(w, bn) for w in widths]
     starts = [sum(tiles[: i + 1]) for i in range(len(tiles))]  # t1, t2, ... (cumulative)
     total = starts[-1]
     out_total = slice_offsets[-1]
     offs = list(slice_offsets[1:-1]) + [out_total] * (4 - len(widths))
     ts = starts[:-1] + [total] * (4 - len(widths))
-    kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, BLOCK_M=TILE_M, BLOCK_N=bn, BLOCK_R=br,
-              DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), num_warps=c["num_warps"], num_stages=c["num_stages"])
+    kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, SLICES=len(widths), BLOCK_M=TILE_M, BLOCK_N=bn,
+              BLOCK_R=br, DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), num_warps=c["num_warps"], num_stages=c["num_stages"])
     if kw["PDL"]:
         kw["launch_pdl"] = True
     plan = ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
