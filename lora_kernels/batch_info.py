@@ -43,14 +43,14 @@ torch backend and the CPU tests use it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
 _SEQ = (list, tuple)
-TILE_M = 16  # rows per work-list tile; the Triton kernels' BLOCK_M (one value for every batch: invariance)
+TILE_M = 64  # rows per work-list tile: 4 sub-tiles of the Triton kernels' BLOCK_M (fixed for every batch)
 # The ufunc reductions directly: ndarray.min/max add a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
 # The current stream as a raw handle: a dict key, cheaper than building a torch Stream per build.
@@ -110,6 +110,7 @@ class LoRABatchInfo:
     scalings: torch.Tensor
     work: torch.Tensor | None = None
     max_tiles: int = 0
+    _checked: tuple | None = field(default=None, init=False, repr=False, compare=False)  # ops.py's validation
 
     @classmethod
     def from_segments(cls, seg_lens: Sequence[int], slots: Sequence[int], lora_ranks: torch.Tensor,

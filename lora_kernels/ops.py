@@ -48,8 +48,18 @@ def _check_tensor(name: str, t, dim: int, shape_doc: str, dtype=None, device=Non
 
 
 def _check_info(info: LoRABatchInfo, device: torch.device, num_slots: int, rows: int) -> None:
+    """Checks info against the weights and x. Its tensors' layout is checked once per (device, slots) and
+    remembered on the info (infos are not modified after they are built); the row count on every call."""
     if not isinstance(info, LoRABatchInfo):
         raise TypeError(f"info must be a LoRABatchInfo, got {type(info).__name__}")
+    if info._checked != (device, num_slots):
+        _check_info_tensors(info, device, num_slots)
+        info._checked = (device, num_slots)
+    if info.num_tokens > rows:
+        raise ValueError(f"info.num_tokens={info.num_tokens} exceeds the {rows} rows of x")
+
+
+def _check_info_tensors(info: LoRABatchInfo, device: torch.device, num_slots: int) -> None:
     for name in ("seg_indptr", "weight_indices", "lora_ranks"):
         _check_tensor(f"info.{name}", getattr(info, name), 1, "", torch.int32, device)
     _check_tensor("info.scalings", info.scalings, 1, "", torch.float32, device)
@@ -61,11 +71,14 @@ def _check_info(info: LoRABatchInfo, device: torch.device, num_slots: int, rows:
                          f"slots but the weights have {num_slots}")
     if info.permutation is not None:
         _check_tensor("info.permutation", info.permutation, 1, "", torch.int32, device)
-    if info.num_tokens > rows:
-        raise ValueError(f"info.num_tokens={info.num_tokens} exceeds the {rows} rows of x")
+    if info.work is not None:
+        _check_tensor("info.work", info.work, 1, "", torch.int32, device)
+        if info.work.shape[0] != 1 + 3 * info.max_tiles:
+            raise ValueError(f"info.work must have 1 + 3 * max_tiles = {1 + 3 * info.max_tiles} entries, got "
+                             f"{info.work.shape[0]}")
 
 
-def _check_shrink(x, lora_a, info, num_slices, out):
+def _check_shrink(x, lora_a, info, num_slices, out, with_info=True):
     _check_tensor("x", x, 2, "[T, in_dim]", _DTYPES)
     _check_tensor("lora_a", lora_a, 3, "[num_slots, S*R, in_dim]", x.dtype, x.device)
     if not 1 <= num_slices <= MAX_SLICES:
@@ -77,14 +90,15 @@ def _check_shrink(x, lora_a, info, num_slices, out):
     if lora_a.shape[2] != x.shape[1]:
         raise ValueError(f"lora_a in_dim {lora_a.shape[2]} != x in_dim {x.shape[1]} "
                          f"(lora_a {tuple(lora_a.shape)}, x {tuple(x.shape)})")
-    _check_info(info, x.device, lora_a.shape[0], x.shape[0])
+    if with_info:
+        _check_info(info, x.device, lora_a.shape[0], x.shape[0])
     if out is not None:
         _check_tensor("out", out, 2, "[T, S*R]", (torch.float32, x.dtype), x.device)
         if tuple(out.shape) != (x.shape[0], lora_a.shape[1]):
             raise ValueError(f"out must have shape {(x.shape[0], lora_a.shape[1])}, got {tuple(out.shape)}")
 
 
-def _check_expand(v, lora_b, info, slice_offsets, out):
+def _check_expand(v, lora_b, info, slice_offsets, out, with_info=True):
     """Checks expand's arguments; v=None checks everything but v (apply_lora makes its own)."""
     _check_tensor("out", out, 2, "[T, out_total]", _DTYPES)
     _check_tensor("lora_b", lora_b, 3, "[num_slots, out_total, R]", out.dtype, out.device)
@@ -102,7 +116,8 @@ def _check_expand(v, lora_b, info, slice_offsets, out):
         _check_tensor("v", v, 2, "[T, S*R]", (torch.float32, out.dtype), out.device)
         if tuple(v.shape) != (out.shape[0], n * lora_b.shape[2]):
             raise ValueError(f"v must have shape {(out.shape[0], n * lora_b.shape[2])}, got {tuple(v.shape)}")
-    _check_info(info, out.device, lora_b.shape[0], out.shape[0])
+    if with_info:
+        _check_info(info, out.device, lora_b.shape[0], out.shape[0])
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, info: LoRABatchInfo, num_slices: int,
@@ -145,13 +160,16 @@ def apply_lora(x: torch.Tensor, base_out: torch.Tensor, lora_a: torch.Tensor, lo
     """
     slice_offsets = tuple(slice_offsets)
     num_slices = len(slice_offsets) - 1
-    _check_shrink(x, lora_a, info, num_slices, None)
-    _check_expand(None, lora_b, info, slice_offsets, base_out)
+    _check_shrink(x, lora_a, info, num_slices, None, with_info=False)
+    _check_expand(None, lora_b, info, slice_offsets, base_out, with_info=False)
     if base_out.shape[0] != x.shape[0] or base_out.dtype != x.dtype or base_out.device != x.device:
         raise ValueError(f"base_out must be [{x.shape[0]}, out_total] {x.dtype} on {x.device}, got "
                          f"{tuple(base_out.shape)} {base_out.dtype} on {base_out.device}")
     if lora_b.shape[2] * num_slices != lora_a.shape[1]:
         raise ValueError(f"lora_a has {lora_a.shape[1]} rows but num_slices*R = {num_slices}*{lora_b.shape[2]}")
+    if lora_b.shape[0] != lora_a.shape[0]:
+        raise ValueError(f"lora_a has {lora_a.shape[0]} slots but lora_b has {lora_b.shape[0]}")
+    _check_info(info, x.device, lora_a.shape[0], x.shape[0])
     name = resolve_backend(backend, x.device, info)
     backends.get(name).apply_lora(x, base_out, lora_a, lora_b, info, slice_offsets)
     return base_out

@@ -234,7 +234,7 @@ def test_plans_depend_on_shapes_only():
     dev = torch.device(DEVICE)
     p1 = plan.shrink_plan(4096, 3, 16, torch.bfloat16, True, dev)
     assert p1 is plan.shrink_plan(4096, 3, 16, torch.bfloat16, True, dev)
-    assert p1.split == 8 and p1.k_chunk == 512 and p1.kw["BLOCK_M"] == lk.batch_info.TILE_M
+    assert p1.split == 8 and p1.k_chunk == 512 and p1.kw["BLOCK_M"] * 4 == lk.batch_info.TILE_M
     assert plan.shrink_plan(14336, 1, 64, torch.bfloat16, False, dev).split == 8
     e = plan.expand_plan((0, 4096, 5120, 6144), 16, torch.bfloat16, False, 8, dev)
     assert e.n_tiles == 48 and e.kw["SPLIT"] == 8
@@ -255,6 +255,8 @@ def test_batch_invariance_interpreter(dtype):
     bit-identical (torch.equal). CPU interpreter on a small shape; the GPU test covers bf16 and real sizes."""
     _check_invariance(np.random.default_rng(21), dtype, DEVICE, in_dim=96, widths=(32, 16), max_rank=16,
                       sizes=(1, 3, 8, 13, 20), num_slots=5)
+    # (Longer segments, where rows move between sub-tile positions, run on the GPU only: the interpreter's
+    # numpy matmul rounds a row differently by its position in the operand, the GPU's mma does not.)
 
 
 def _check_invariance(rng, dtype, device, in_dim, widths, max_rank, sizes, num_slots, cuda_graph_sizes=()):
