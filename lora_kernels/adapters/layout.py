@@ -142,6 +142,7 @@ class DestPlan:
     dsts: list[torch.Tensor]
     scatter: list[tuple[torch.Tensor, torch.Tensor]]
     zero: list[torch.Tensor]
+    split: int  # copies [0, split) are the header and the staged B blocks: the scatters wait for them only
     staged_bytes: int = 0
 
 
@@ -160,7 +161,7 @@ def dest_plan(layout: PackedLayout, pool, slot: int, staging: torch.Tensor | Non
     if r == R:
         for layer, g in layout.keys:
             dsts += [_bytes(pool.lora_a[layer][g][slot]), _bytes(pool.lora_b[layer][g][slot])]
-        return DestPlan(dsts, [], zero)
+        return DestPlan(dsts, [], zero, len(dsts))
     assert staging is not None, "an adapter below the pool's max rank needs the staging buffer"
     scatter, off = [], 0
     order = _staging_order(layout.keys)
@@ -175,7 +176,8 @@ def dest_plan(layout: PackedLayout, pool, slot: int, staging: torch.Tensor | Non
             scatter.append((stacked[:, slot, :, :r], st))
         else:
             scatter += [(stacked[layer, slot, :, :r], st[i]) for i, layer in enumerate(layers)]
+    split = len(dsts)
     for layer, g in layout.keys:
         a = pool.lora_a[layer][g][slot]
         dsts += [_bytes(a[i * R:i * R + r]) for i in range(spec.group(g).num_slices)]
-    return DestPlan(dsts, scatter, zero, off * staging.element_size())
+    return DestPlan(dsts, scatter, zero, split, off * staging.element_size())
