@@ -58,24 +58,40 @@ def read_packed(adapter_id: str, path: str | Path, spec: ModelSpec, dtype: torch
     blocks = lay.packed_layout(spec, plan.rank, plan.keys, esize)
     buf = alloc_buffer(blocks.nbytes, pin)
     packed = wrap_buffer(adapter_id, blocks, buf, plan.scaling, dtype, pin)
-    direct, staged, zero = _read_lists(plan, spec, packed, dtype)
-    for t in zero:
-        t.zero_()
-    try:
-        fd = os.open(plan.weights_path, os.O_RDONLY)
-    except OSError as e:
-        raise AdapterFormatError(f"{plan.weights_path}: cannot open ({e.strerror})") from None
-    try:
-        _pread_all(fd, [(e.begin, mv) for e, mv in direct], plan.weights_path, read_threads)
-        for e, finish in staged:
-            tmp = torch.empty(e.shape, dtype=e.dtype)
-            _pread_all(fd, [(e.begin, _mv(tmp))], plan.weights_path, 1)
-            finish(tmp)
-    finally:
-        os.close(fd)
-    if check_finite:
-        _check_finite(plan, packed, dtype)
+    err = _fill(plan, spec, packed, dtype, read_threads, check_finite)
+    if err is not None:
+        del packed, buf  # the buffer goes back to the allocator now, not when the caller drops the error
+        raise err
     return packed
+
+
+def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torch.dtype, read_threads: int,
+          check_finite: bool) -> AdapterFormatError | None:
+    """Reads the file into the packed buffer; returns (not raises) a format error, stripped of its traceback
+    and context: a traceback keeps every frame's locals alive, here the memoryviews of the pinned buffer,
+    for as long as the error lives (a failed host stage's future holds it)."""
+    try:
+        direct, staged, zero = _read_lists(plan, spec, packed, dtype)
+        for t in zero:
+            t.zero_()
+        try:
+            fd = os.open(plan.weights_path, os.O_RDONLY)
+        except OSError as e:
+            raise AdapterFormatError(f"{plan.weights_path}: cannot open ({e.strerror})") from None
+        try:
+            _pread_all(fd, [(e.begin, mv) for e, mv in direct], plan.weights_path, read_threads)
+            for e, finish in staged:
+                tmp = torch.empty(e.shape, dtype=e.dtype)
+                _pread_all(fd, [(e.begin, _mv(tmp))], plan.weights_path, 1)
+                finish(tmp)
+        finally:
+            os.close(fd)
+        if check_finite:
+            _check_finite(plan, packed, dtype)
+    except AdapterFormatError as e:
+        e.__traceback__ = e.__context__ = e.__cause__ = None
+        return e
+    return None
 
 
 def _mv(t: torch.Tensor) -> memoryview:
@@ -139,9 +155,13 @@ def _pread_all(fd: int, jobs: list[tuple[int, memoryview]], path: Path, threads:
             cur = []
     chunks.append(cur)
     futures = [_reader_pool(threads).submit(_pread_jobs, fd, c, path) for c in chunks[1:] if c]
-    _pread_jobs(fd, chunks[0], path)  # this thread reads the first run itself
-    for f in futures:
-        f.result()
+    try:
+        _pread_jobs(fd, chunks[0], path)  # this thread reads the first run itself
+    finally:
+        errors = [f.exception() for f in futures]  # waits for all: none may still write after we return
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def _pread_jobs(fd: int, jobs: list[tuple[int, memoryview]], path: Path) -> None:
