@@ -223,3 +223,61 @@ def test_store_counts_the_pinned_allocators_rounded_bytes():
         assert p.buffer.is_pinned() and p.nbytes >= p.buffer.numel() and p.nbytes & (p.nbytes - 1) == 0
         assert p.nbytes < 2 * p.buffer.numel()
     assert store.resident_bytes == sum(store.get(n).nbytes for n in ws)
+
+
+def test_folder_truncated_mid_read_fails_its_request_and_leaks_no_slot_event_or_block(tmp_path, monkeypatch):
+    """Pinned store, 2 host workers, CUDA pool: a0's file shrinks between its header check and its read,
+    eight rounds. a0's request fails naming the adapter and the file; a1 and a2 load bit for bit every
+    round; afterwards no load event or source is pending, and the failed reads' pinned blocks were
+    recycled (no block created in the last three rounds: a leak creates one per round)."""
+    from lora_kernels.adapters import AdapterFormatError, HostStager, load_peft_adapter
+    from lora_kernels.adapters import peft as peft_mod
+    from lora_kernels.serve_sim.folders import write_adapter
+
+    folders = []
+    for i in range(3):
+        write_adapter(tmp_path / f"f{i}", SPEC, 8, torch.bfloat16, seed=40 + i)
+        folders.append(tmp_path / f"f{i}")
+    want = [load_peft_adapter(f, SPEC, dtype=torch.bfloat16) for f in folders]
+    good = (folders[0] / "adapter_model.safetensors").read_bytes()
+    orig_plan = peft_mod.plan_peft_adapter
+
+    def plan_then_truncate(path, *a, **k):
+        plan = orig_plan(path, *a, **k)
+        if str(path) == str(folders[0]):
+            plan.weights_path.write_bytes(good[:-64])
+        return plan
+
+    monkeypatch.setattr(peft_mod, "plan_peft_adapter", plan_then_truncate)
+    pool = GpuAdapterPool(SPEC, 2, 16, torch.bfloat16, "cuda")
+    store = HostAdapterStore(SPEC, torch.bfloat16, pin=True)
+    for i, f in enumerate(folders):
+        store.register_path(f"a{i}", f)
+    loader = AdapterLoader(pool, store)
+    blocks = []
+    with HostStager(store, workers=2) as stager:
+        for _ in range(8):
+            (folders[0] / "adapter_model.safetensors").write_bytes(good)
+            for a in ("a1", "a2"):
+                store.drop(a)
+                if loader.slot_of(a) is not None:
+                    loader.unload(a)
+            stages = {a: stager.submit(a) for a in ("a0", "a1", "a2")}
+            with pytest.raises(AdapterFormatError, match=r"^adapter 'a0': .*f0/adapter_model.safetensors: file "
+                                                         r"truncated while reading"):
+                stages["a0"].result(30)
+            for a in ("a1", "a2"):
+                loader.load_async(a, packed=stages[a].result(30))
+            slots = loader.acquire(["a1", "a2"])
+            loader.release(["a1", "a2"])
+            torch.cuda.synchronize()
+            for a, s in zip(("a1", "a2"), slots):
+                check_slot(pool, s, want[int(a[1])])
+            del stages
+            gc.collect()
+            torch.empty(1, dtype=torch.uint8, pin_memory=True)  # let the allocator process its events
+            blocks.append(torch.cuda.host_memory_stats()["num_host_alloc"])
+        assert stager._inflight == {}
+    [loader.is_loading(s) for s in range(pool.num_slots)]
+    assert loader.slot_of("a0") is None and loader._pending == set() and all(p is None for p in loader._load_src)
+    assert blocks[-1] == blocks[-4], f"pinned blocks created per round: {blocks}"
