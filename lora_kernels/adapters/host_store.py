@@ -1,6 +1,7 @@
 """Host-side adapter store: each adapter packed once into one contiguous pinned buffer, LRU by bytes.
 
-The buffer's byte layout and the copy plans that read it live in `layout.py`. An adapter registered as a
+The buffer's byte layout, the `PackedAdapter` over it, packing, and the copy plans that read it live in
+`layout.py`. An adapter registered as a
 PEFT folder is read by `reader.read_packed`: each tensor of the safetensors file straight into its place
 in the buffer, in one pass. Registration is thread-safe (reading and packing run outside the lock). An
 adapter dropped from the store while a load still reads its buffer stays alive: the loader holds the
@@ -14,87 +15,16 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lora_kernels.adapters import layout as lay
-from lora_kernels.adapters.layout import HEADER_BYTES, PackedLayout
+# The packed buffer and its packing live in layout.py; re-exported here, where callers found them first.
+from lora_kernels.adapters.layout import HEADER_BYTES, PackedAdapter, alloc_buffer, pack_adapter
 from lora_kernels.adapters.peft import AdapterWeights
 from lora_kernels.adapters.spec import ModelSpec
 
 __all__ = ["HEADER_BYTES", "HostAdapterStore", "PackedAdapter", "alloc_buffer", "pack_adapter"]
-
-
-@dataclass(eq=False)
-class PackedAdapter:
-    """One adapter in one host buffer; `a`/`b` are uint8 views of its blocks, keyed (layer, group), in pool order."""
-
-    adapter_id: str
-    rank: int
-    scaling: float
-    dtype: torch.dtype
-    buffer: torch.Tensor
-    header: torch.Tensor
-    a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    plans: dict = field(default_factory=dict, repr=False)  # the loader's per-pool source lists, cached
-    blocks: PackedLayout | None = None
-    held_bytes: int = 0
-
-    @property
-    def layout(self) -> tuple[tuple[int, str], ...]:
-        """The (layer, group) blocks present, in pool order."""
-        return tuple(self.a)
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes this adapter costs: what the allocator holds for its buffer (rounded up when pinned)."""
-        return self.held_bytes or self.buffer.numel()
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes a load moves: the header plus every block (alignment padding excluded)."""
-        return HEADER_BYTES + sum(v.numel() for d in (self.a, self.b) for v in d.values())
-
-
-def alloc_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-
-def wrap_buffer(adapter_id: str, blocks: PackedLayout, buf: torch.Tensor, scaling: float, dtype: torch.dtype,
-                pin: bool) -> PackedAdapter:
-    """The `PackedAdapter` over a buffer laid out as `blocks` (header written here)."""
-    stored = lay.write_header(buf, blocks.rank, scaling)
-    p = PackedAdapter(adapter_id, blocks.rank, stored, dtype, buf, buf[:HEADER_BYTES], blocks=blocks,
-                      held_bytes=lay.allocator_nbytes(buf.numel(), pin))
-    for key in blocks.keys:
-        p.a[key] = blocks.a[key].view(buf)
-        p.b[key] = blocks.b[key].view(buf)
-    return p
-
-
-def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> PackedAdapter:
-    """Packs `w` (converted to `dtype`) into one (pinned) uint8 buffer in pool order."""
-    if w.spec != spec:
-        raise ValueError(f"adapter {adapter_id!r} was read for {w.spec}, the store holds {spec}")
-    keys = tuple((layer, g.name) for layer in range(spec.layers) for g in spec.groups if (layer, g.name) in w.lora_a)
-    for key in keys:
-        g = spec.group(key[1])
-        a, b = w.lora_a[key], w.lora_b.get(key)
-        want_a, want_b = (g.num_slices * w.rank, g.in_dim), (g.out_total, w.rank)
-        if tuple(a.shape) != want_a or b is None or tuple(b.shape) != want_b:
-            raise ValueError(f"adapter {adapter_id!r} layer {key[0]} {g.name}: lora_a {tuple(a.shape)} / lora_b "
-                             f"{None if b is None else tuple(b.shape)}, expected {want_a} / {want_b}")
-    esize = torch.empty((), dtype=dtype).element_size()
-    blocks = lay.packed_layout(spec, w.rank, keys, esize)
-    buf = alloc_buffer(blocks.nbytes, pin)
-    p = wrap_buffer(adapter_id, blocks, buf, w.scaling, dtype, pin)
-    for key in keys:
-        for view, t in ((p.a[key], w.lora_a[key]), (p.b[key], w.lora_b[key])):
-            view.view(dtype).view(t.shape).copy_(t)
-    return p
 
 
 class HostAdapterStore:

@@ -8,8 +8,9 @@ a 256-byte boundary:
         A block: [S*r, in_dim]  (slice i in rows [i*r, (i+1)*r))  -> pool lora_a[slot] rows [i*R, i*R + r)
         B block: [out_total, r]                               -> pool lora_b[slot][:, :r]
 
-`PackedLayout` gives every block's offset (the host store packs, and the direct reader reads each file
-tensor, straight into it); `source_views` and `dest_plan` turn it into the loader's copy lists.
+`PackedLayout` gives every block's offset; `PackedAdapter` is one adapter's buffer with views of its blocks
+(`pack_adapter` fills it from `AdapterWeights`, `reader.read_packed` reads each file tensor straight into
+it); `source_views` and `dest_plan` turn it into the loader's copy lists. Nothing else knows the layout.
 
 Copy plan. When r equals the pool's max rank R every block is one contiguous copy (two per group). When
 r < R, A slices are still contiguous in the pool (r of R rows each), but B's r columns are strided (rows
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_kernels.adapters.peft import AdapterWeights
 from lora_kernels.adapters.spec import ModelSpec
 
 HEADER_BYTES = 8
@@ -103,6 +105,78 @@ def write_header(buffer: torch.Tensor, rank: int, scaling: float) -> float:
     header[:4].view(torch.int32)[0] = rank
     header[4:].view(torch.float32)[0] = scaling
     return float(header[4:].view(torch.float32)[0])
+
+
+# ---- the packed buffer -------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class PackedAdapter:
+    """One adapter in one host buffer; `a`/`b` are uint8 views of its blocks, keyed (layer, group), in pool order."""
+
+    adapter_id: str
+    rank: int
+    scaling: float
+    dtype: torch.dtype
+    buffer: torch.Tensor
+    header: torch.Tensor
+    a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    plans: dict = field(default_factory=dict, repr=False)  # the loader's per-pool source lists, cached
+    blocks: PackedLayout | None = None
+    held_bytes: int = 0
+
+    @property
+    def layout(self) -> tuple[tuple[int, str], ...]:
+        """The (layer, group) blocks present, in pool order."""
+        return tuple(self.a)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this adapter costs: what the allocator holds for its buffer (rounded up when pinned)."""
+        return self.held_bytes or self.buffer.numel()
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes a load moves: the header plus every block (alignment padding excluded)."""
+        return HEADER_BYTES + sum(v.numel() for d in (self.a, self.b) for v in d.values())
+
+
+def alloc_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def wrap_buffer(adapter_id: str, blocks: PackedLayout, buf: torch.Tensor, scaling: float, dtype: torch.dtype,
+                pin: bool) -> PackedAdapter:
+    """The `PackedAdapter` over a buffer laid out as `blocks` (header written here)."""
+    stored = write_header(buf, blocks.rank, scaling)
+    p = PackedAdapter(adapter_id, blocks.rank, stored, dtype, buf, buf[:HEADER_BYTES], blocks=blocks,
+                      held_bytes=allocator_nbytes(buf.numel(), pin))
+    for key in blocks.keys:
+        p.a[key] = blocks.a[key].view(buf)
+        p.b[key] = blocks.b[key].view(buf)
+    return p
+
+
+def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> PackedAdapter:
+    """Packs `w` (converted to `dtype`) into one (pinned) uint8 buffer in pool order."""
+    if w.spec != spec:
+        raise ValueError(f"adapter {adapter_id!r} was read for {w.spec}, the store holds {spec}")
+    keys = tuple((layer, g.name) for layer in range(spec.layers) for g in spec.groups if (layer, g.name) in w.lora_a)
+    for key in keys:
+        g = spec.group(key[1])
+        a, b = w.lora_a[key], w.lora_b.get(key)
+        want_a, want_b = (g.num_slices * w.rank, g.in_dim), (g.out_total, w.rank)
+        if tuple(a.shape) != want_a or b is None or tuple(b.shape) != want_b:
+            raise ValueError(f"adapter {adapter_id!r} layer {key[0]} {g.name}: lora_a {tuple(a.shape)} / lora_b "
+                             f"{None if b is None else tuple(b.shape)}, expected {want_a} / {want_b}")
+    esize = torch.empty((), dtype=dtype).element_size()
+    blocks = packed_layout(spec, w.rank, keys, esize)
+    buf = alloc_buffer(blocks.nbytes, pin)
+    p = wrap_buffer(adapter_id, blocks, buf, w.scaling, dtype, pin)
+    for key in keys:
+        for view, t in ((p.a[key], w.lora_a[key]), (p.b[key], w.lora_b[key])):
+            view.view(dtype).view(t.shape).copy_(t)
+    return p
 
 
 # ---- copy plans --------------------------------------------------------------------------------------------

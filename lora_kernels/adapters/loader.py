@@ -28,7 +28,8 @@ import torch
 
 from lora_kernels.adapters import layout as lay
 from lora_kernels.adapters.h2d import batched_h2d_copy
-from lora_kernels.adapters.host_store import HostAdapterStore, PackedAdapter
+from lora_kernels.adapters.host_store import HostAdapterStore
+from lora_kernels.adapters.layout import PackedAdapter
 from lora_kernels.adapters.pool import GpuAdapterPool
 
 _PLAN_CACHE_MAX = 512

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lora_kernels.adapters import layout as lay
-from lora_kernels.adapters.host_store import PackedAdapter, alloc_buffer, wrap_buffer
+from lora_kernels.adapters.layout import PackedAdapter, alloc_buffer, wrap_buffer
 from lora_kernels.adapters.peft import AdapterFormatError, AdapterPlan, plan_peft_adapter
 from lora_kernels.adapters.spec import ModelSpec
 
