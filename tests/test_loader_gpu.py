@@ -105,11 +105,12 @@ def _batch(pool, slot, x):
                      dim=1)
 
 
+@pytest.mark.parametrize("rank", [16, 8])  # 8 < R: B is scattered on the loader's side stream
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_evict_reload_never_changes_inflight_batch(backend):
+def test_evict_reload_never_changes_inflight_batch(backend, rank):
     if backend == "auto" and not lk.HAS_CUDA_EXT:
         pytest.skip("extension not built")
-    ws = {"A": AdapterWeights.random(SPEC, 16, seed=3), "B": AdapterWeights.random(SPEC, 16, seed=4)}
+    ws = {"A": AdapterWeights.random(SPEC, rank, seed=3), "B": AdapterWeights.random(SPEC, rank, seed=4)}
     pool, store, loader = _setup(1, 16, ws, backend=backend)
     x = torch.randn(8, SPEC.hidden, device="cuda")
     [slot] = loader.acquire(["A"])
