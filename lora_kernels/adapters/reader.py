@@ -21,6 +21,7 @@ the rounded size on every cache miss: a fixed cost of Python and allocation work
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,13 +34,16 @@ from lora_kernels.adapters.spec import ModelSpec
 
 _PARALLEL_MIN_BYTES = 8 << 20  # below this one thread is as fast (thread hand-off costs ~50 µs)
 _readers: ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
 
 
 def _reader_pool(n: int) -> ThreadPoolExecutor:
+    """One shared pool for every host-stage worker (no thread start per read), grown on demand."""
     global _readers
-    if _readers is None or _readers._max_workers < n:  # one shared pool: no thread start per read
-        _readers = ThreadPoolExecutor(max_workers=n, thread_name_prefix="lora-read")
-    return _readers
+    with _readers_lock:
+        if _readers is None or _readers._max_workers < n:
+            _readers = ThreadPoolExecutor(max_workers=n, thread_name_prefix="lora-read")
+        return _readers
 
 
 def planned_nbytes(plan: AdapterPlan, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> int:
