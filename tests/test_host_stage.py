@@ -130,3 +130,29 @@ def test_stager_runs_n_workers_at_once(tmp_path):
         assert stager.stats["reads"] == 3 and stager.workers == 3
     with pytest.raises(ValueError, match=r"^workers must be a positive int, got 0$"):
         HostStager(store, workers=0)
+
+
+def test_read_packed_fused_modules(tmp_path, monkeypatch):
+    """Phi-3 style fused qkv_proj / gate_up_proj: one A written into every slice's rows, B split by slice."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(4)
+    tensors = {}
+    for layer in range(SPEC.layers):
+        for parent, name in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj"), ("self_attn", "o_proj")):
+            g = SPEC.group(name)
+            key = f"base_model.model.model.layers.{layer}.{parent}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(4, g.in_dim, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = torch.randn(g.out_total, 4, generator=gen)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj", "gate_up_proj", "o_proj"]}))
+    _poisoned_alloc(monkeypatch)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = reader.read_packed("f", folder, SPEC, dtype, pin=False)
+        want = pack_adapter("f", load_peft_adapter(folder, SPEC, dtype=dtype), SPEC, dtype, pin=False)
+        _same_bytes(got, want)
+        a = got.a[(1, "qkv_proj")].view(dtype).view(12, SPEC.hidden)
+        assert torch.equal(a[0:4], a[8:12]) and a[0:4].abs().sum() > 0

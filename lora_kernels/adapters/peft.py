@@ -260,6 +260,7 @@ class AdapterPlan:
     modules: list[ModuleRead]
     keys: tuple[tuple[int, str], ...]
     file_dtype: torch.dtype
+    reads: dict = field(default_factory=dict, compare=False, repr=False)  # reader's byte plans, per dtype
 
 
 def _expected_modules(cfg: dict, spec: ModelSpec, names_in_file: set[str]):

@@ -23,13 +23,14 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from lora_kernels.adapters import layout as lay
 from lora_kernels.adapters.layout import PackedAdapter, alloc_buffer, wrap_buffer
-from lora_kernels.adapters.peft import AdapterFormatError, AdapterPlan, plan_peft_adapter
+from lora_kernels.adapters.peft import AdapterFormatError, AdapterPlan, ModuleRead, plan_peft_adapter
 from lora_kernels.adapters.spec import ModelSpec
 
 _PARALLEL_MIN_BYTES = 8 << 20  # below this one thread is as fast (thread hand-off costs ~50 µs)
@@ -69,27 +70,81 @@ def read_packed(adapter_id: str, path: str | Path, spec: ModelSpec, dtype: torch
     return packed
 
 
+@dataclass
+class _ReadPlan:
+    """Byte-level work of one read, computed once per (plan, dtype) and cached on the plan.
+
+    direct: (file offset, buffer offset, bytes) read straight into place; dup: (from, to, bytes) copies
+    inside the buffer after the reads (a fused A written into every slice); zero: (buffer offset, bytes);
+    staged: modules needing a temporary (dtype cast, module rank below the slot's, rescaled B)."""
+
+    direct: list[tuple[int, int, int]] = field(default_factory=list)
+    dup: list[tuple[int, int, int]] = field(default_factory=list)
+    zero: list[tuple[int, int]] = field(default_factory=list)
+    staged: list[tuple[ModuleRead, bool]] = field(default_factory=list)  # (module, A?) read via a temporary
+
+
+def _read_plan(plan: AdapterPlan, spec: ModelSpec, blocks: lay.PackedLayout, dtype: torch.dtype) -> _ReadPlan:
+    rp = plan.reads.get(dtype)
+    if rp is not None:
+        return rp
+    rp, rank, es, covered = _ReadPlan(), plan.rank, blocks.esize, set()
+    for m in plan.modules:
+        g = spec.group(m.group)
+        a_off, b_off = blocks.a[(m.layer, m.group)].offset, blocks.b[(m.layer, m.group)].offset
+        slices = list(range(g.num_slices) if m.sl is None else (m.sl,))
+        covered.update((m.layer, m.group, i) for i in slices)
+        row_a = g.in_dim * es
+        if m.a.dtype == dtype:
+            first = a_off + slices[0] * rank * row_a
+            rp.direct.append((m.a.begin, first, m.rank * row_a))
+            rp.dup += [(first, a_off + i * rank * row_a, m.rank * row_a) for i in slices[1:]]
+        else:
+            rp.staged.append((m, True))
+        if m.rank < rank:
+            rp.zero += [(a_off + (i * rank + m.rank) * row_a, (rank - m.rank) * row_a) for i in slices]
+        offs = g.slice_offsets
+        lo, hi = (0, g.out_total) if m.sl is None else (offs[m.sl], offs[m.sl + 1])
+        if m.rank == rank and m.factor == 1.0 and m.b.dtype == dtype:
+            rp.direct.append((m.b.begin, b_off + lo * rank * es, (hi - lo) * rank * es))
+        else:
+            rp.staged.append((m, False))  # also zeroes B's columns beyond the module rank
+    for layer, gname in plan.keys:  # slices of a targeted group the adapter lacks: zero A rows and B rows
+        g = spec.group(gname)
+        a_off, b_off = blocks.a[(layer, gname)].offset, blocks.b[(layer, gname)].offset
+        for i in range(g.num_slices):
+            if (layer, gname, i) not in covered:
+                rp.zero.append((a_off + i * rank * g.in_dim * es, rank * g.in_dim * es))
+                lo, hi = g.slice_offsets[i], g.slice_offsets[i + 1]
+                rp.zero.append((b_off + lo * rank * es, (hi - lo) * rank * es))
+    rp.direct.sort()  # file order: sequential reads
+    plan.reads[dtype] = rp
+    return rp
+
+
 def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torch.dtype, read_threads: int,
           check_finite: bool) -> AdapterFormatError | None:
     """Reads the file into the packed buffer; returns (not raises) a format error, stripped of its traceback
     and context: a traceback keeps every frame's locals alive, here the memoryviews of the pinned buffer,
     for as long as the error lives (a failed host stage's future holds it)."""
     try:
-        direct, staged, zero = _read_lists(plan, spec, packed, dtype)
-        for t in zero:
-            t.zero_()
+        rp = _read_plan(plan, spec, packed.blocks, dtype)
+        arr = packed.buffer.numpy()
+        mv = memoryview(arr)
+        for off, n in rp.zero:
+            arr[off:off + n] = 0
         try:
             fd = os.open(plan.weights_path, os.O_RDONLY)
         except OSError as e:
             raise AdapterFormatError(f"{plan.weights_path}: cannot open ({e.strerror})") from None
         try:
-            _pread_all(fd, [(e.begin, mv) for e, mv in direct], plan.weights_path, read_threads)
-            for e, finish in staged:
-                tmp = torch.empty(e.shape, dtype=e.dtype)
-                _pread_all(fd, [(e.begin, _mv(tmp))], plan.weights_path, 1)
-                finish(tmp)
+            _pread_all(fd, [(f, mv[o:o + n]) for f, o, n in rp.direct], plan.weights_path, read_threads)
+            for m, is_a in rp.staged:
+                _read_staged(fd, plan, spec, packed, dtype, m, is_a)
         finally:
             os.close(fd)
+        for src, dst, n in rp.dup:
+            arr[dst:dst + n] = arr[src:src + n]
         if check_finite:
             _check_finite(plan, packed, dtype)
     except AdapterFormatError as e:
@@ -98,51 +153,28 @@ def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torc
     return None
 
 
+def _read_staged(fd: int, plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torch.dtype,
+                 m: ModuleRead, is_a: bool) -> None:
+    """One tensor through a temporary of the file's dtype: cast (A), or cast, rescale in float64 and place
+    into B's first m.rank columns, zeroing the rest (B)."""
+    g, rank = spec.group(m.group), plan.rank
+    e = m.a if is_a else m.b
+    tmp = torch.empty(e.shape, dtype=e.dtype)
+    _pread_all(fd, [(e.begin, _mv(tmp))], plan.weights_path, 1)
+    if is_a:
+        a = packed.a[(m.layer, m.group)].view(dtype).view(g.num_slices * rank, g.in_dim)
+        for i in (range(g.num_slices) if m.sl is None else (m.sl,)):
+            a[i * rank:i * rank + m.rank].copy_(tmp)  # casts: one rounding, as via float64
+        return
+    b = packed.b[(m.layer, m.group)].view(dtype).view(g.out_total, rank)
+    offs = g.slice_offsets
+    lo, hi = (0, g.out_total) if m.sl is None else (offs[m.sl], offs[m.sl + 1])
+    b[lo:hi, :m.rank].copy_(tmp if m.factor == 1.0 else tmp.double() * m.factor)  # rescaled in float64, cast once
+    b[lo:hi, m.rank:].zero_()
+
+
 def _mv(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
-
-
-def _read_lists(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torch.dtype):
-    """(tensors read straight into the buffer as (entry, memoryview), tensors read into a temporary then
-    finished by a callable, views to zero)."""
-    direct, staged, zero = [], [], []
-    rank, covered = plan.rank, set()
-    for m in plan.modules:
-        g = spec.group(m.group)
-        a = packed.a[(m.layer, m.group)].view(dtype).view(g.num_slices * rank, g.in_dim)
-        b = packed.b[(m.layer, m.group)].view(dtype).view(g.out_total, rank)
-        slices = range(g.num_slices) if m.sl is None else (m.sl,)
-        covered.update((m.layer, m.group, i) for i in slices)
-        a_dsts = [a[i * rank:i * rank + m.rank] for i in slices]
-        zero += [a[i * rank + m.rank:(i + 1) * rank] for i in slices if m.rank < rank]
-        if m.a.dtype == dtype:
-            direct.append((m.a, _mv(a_dsts[0])))
-            staged += [(m.a, _copier(d)) for d in a_dsts[1:]]  # a fused A: every slice holds the same rows
-        else:
-            staged += [(m.a, _copier(d)) for d in a_dsts]
-        offs = g.slice_offsets
-        lo, hi = (0, g.out_total) if m.sl is None else (offs[m.sl], offs[m.sl + 1])
-        if m.rank == rank and m.factor == 1.0 and m.b.dtype == dtype:
-            direct.append((m.b, _mv(b[lo:hi])))
-        else:
-            staged.append((m.b, _copier(b[lo:hi, :m.rank], m.factor)))
-            if m.rank < rank:
-                zero.append(b[lo:hi, m.rank:])
-    for layer, gname in plan.keys:  # slices of a targeted group the adapter lacks: zero A rows and B rows
-        g = spec.group(gname)
-        a = packed.a[(layer, gname)].view(dtype).view(g.num_slices * rank, g.in_dim)
-        b = packed.b[(layer, gname)].view(dtype).view(g.out_total, rank)
-        for i in range(g.num_slices):
-            if (layer, gname, i) not in covered:
-                zero += [a[i * rank:(i + 1) * rank], b[g.slice_offsets[i]:g.slice_offsets[i + 1]]]
-    direct.sort(key=lambda x: x[0].begin)  # file order: sequential reads
-    return direct, staged, zero
-
-
-def _copier(dst: torch.Tensor, factor: float = 1.0):
-    if factor == 1.0:
-        return lambda tmp: dst.copy_(tmp)  # casts: one rounding, as via float64
-    return lambda tmp: dst.copy_(tmp.double() * factor)  # rescaled in float64, cast once
 
 
 def _pread_all(fd: int, jobs: list[tuple[int, memoryview]], path: Path, threads: int) -> None:
