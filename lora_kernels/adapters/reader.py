@@ -16,6 +16,9 @@ Where the time went before (CPU profile of the old path, 8-layer Llama-3-8B, ran
 `get_tensor` per tensor, a finite check per tensor (`aminmax`), zeroed accumulators per group plus slice
 assignment, then a second full copy into the packed buffer, and for pinned memory a fresh allocation of
 the rounded size on every cache miss: a fixed cost of Python and allocation work before the bytes move.
+Now: the plan (config + header parse and checks, ~0.7 ms) is cached by the files' bytes that define it,
+the byte-level read plan by (plan, dtype), so a read of a known adapter is two small reads, one buffer
+from the allocator's cache, and one `preadv` per tensor.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def _reader_pool(n: int) -> ThreadPoolExecutor:
 
 def planned_nbytes(plan: AdapterPlan, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> int:
     """Host bytes the adapter will hold once packed (allocator rounding included)."""
-    blocks = lay.packed_layout(spec, plan.rank, plan.keys, torch.empty((), dtype=dtype).element_size())
+    blocks = lay.packed_layout(spec, plan.rank, plan.keys, dtype.itemsize)
     return lay.allocator_nbytes(blocks.nbytes, pin)
 
 
@@ -59,8 +62,7 @@ def read_packed(adapter_id: str, path: str | Path, spec: ModelSpec, dtype: torch
     """Reads the PEFT folder `path` into a packed buffer (see the module docstring). Raises AdapterFormatError
     naming the adapter's file (and tensor) when the folder is missing, truncated or inconsistent."""
     plan = plan or plan_peft_adapter(path, spec, max_rank=max_rank)
-    esize = torch.empty((), dtype=dtype).element_size()
-    blocks = lay.packed_layout(spec, plan.rank, plan.keys, esize)
+    blocks = lay.packed_layout(spec, plan.rank, plan.keys, dtype.itemsize)
     buf = alloc_buffer(blocks.nbytes, pin)
     packed = wrap_buffer(adapter_id, blocks, buf, plan.scaling, dtype, pin)
     err = _fill(plan, spec, packed, dtype, read_threads, check_finite)
