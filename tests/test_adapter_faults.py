@@ -159,7 +159,7 @@ def test_worker_exception_reaches_the_waiter_and_the_worker_survives(tmp_path, m
         assert stager.submit("a1").result(10).rank == 8  # the same worker thread reads the next one
         with pytest.raises(RuntimeError, match="^disk controller on fire$"):
             stager.submit("a0").result(10)  # a failed read is not cached: retried, fails again
-        assert stager._inflight == {} and stager.stats["reads"] == 1
+        assert stager._inflight == {} and stager.stats["reads"] == 1 and stager.stats["errors"] == 2
 
 
 def _batch_out(pool, slots, counts, x, base):

@@ -67,7 +67,7 @@ class HostStager:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-host-stage")
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, HostStage] = {}
-        self.stats = {"hits": 0, "reads": 0, "joins": 0, "read_s": 0.0}
+        self.stats = {"hits": 0, "reads": 0, "joins": 0, "errors": 0, "read_s": 0.0}
 
     def submit(self, adapter_id: Hashable) -> HostStage:
         with self._lock:
@@ -88,21 +88,26 @@ class HostStager:
 
     def _read(self, stage: HostStage) -> None:
         t0 = time.perf_counter()
+        packed, error = None, None
         try:
             packed = self.store.get(stage.adapter_id)
         except BaseException as e:  # delivered to whoever waits on the stage
-            stage._seconds = time.perf_counter() - t0
-            stage.future.set_exception(e)
-        else:
-            stage._seconds = time.perf_counter() - t0
-            with self._lock:
+            error = e
+        stage._seconds = time.perf_counter() - t0
+        # Out of the in-flight table before the waiter wakes: a done stage is never found there (a later
+        # submit of the id then hits the store, or reads again after an error).
+        with self._lock:
+            if self._inflight.get(stage.adapter_id) is stage:
+                del self._inflight[stage.adapter_id]
+            if error is None:
                 self.stats["reads"] += 1
                 self.stats["read_s"] += stage._seconds
+            else:
+                self.stats["errors"] += 1
+        if error is None:
             stage.future.set_result(packed)
-        finally:
-            with self._lock:
-                if self._inflight.get(stage.adapter_id) is stage:
-                    del self._inflight[stage.adapter_id]
+        else:
+            stage.future.set_exception(error)
 
     def close(self) -> None:
         """Waits for the reads in flight and stops the worker."""
