@@ -24,8 +24,9 @@
    on the device and host launch time shows up in neither figure (the earlier bench let 8 loads' ~5 ms
    of enqueue push the loads' end past compute's: counted as slowdown); compute_slowdown_pct is taken at
    compute's own end, hidden_pct at the later end. lost_per_transfer_pct = (compute's end beside the
-   transfer - T_compute) / T_transfer compares variants of different lengths. Similar figures for "loader r=R" and "one raw copy" mean copy-engine/DMA memory
-   contention (or power), not launches or kernels; "r<R" minus "r=R" is the scatter kernels' share.
+   transfer - T_compute) / T_transfer compares variants of different lengths. Similar figures for
+   "loader r=R" and "one raw copy" mean copy-engine/DMA memory contention (or power), not launches or
+   kernels; "r<R" minus "r=R" is the scatter kernels' share.
 
     python bench/bench_loader.py [--quick] [--json out.jsonl] [--host-only]
 """
