@@ -72,7 +72,7 @@ def test_store_lru_by_bytes():
     assert store.resident_bytes == 2 * one
     with pytest.raises(KeyError, match="adapter 'a1' is not in the host store"):
         store.get("a1")
-    with pytest.raises(ValueError, match=f"needs {one} bytes, above the store's capacity_bytes={one - 1}"):
+    with pytest.raises(ValueError, match=f"needs {one} bytes of host memory, above the store's capacity_bytes={one - 1}"):
         HostAdapterStore(SPEC, torch.float32, capacity_bytes=one - 1, pin=False).register("big", _adapter(4, 0))
 
 
@@ -273,7 +273,7 @@ def _folders(tmp_path, ranks):
 def test_store_of_folders_evicts_lru_and_rereads(tmp_path, monkeypatch):
     """A store bounded to two adapters over three folders: a cold get reads the folder, the least recently used
     one is dropped, `lookup` never reads, and a dropped adapter's next get reads its folder again."""
-    from lora_kernels.adapters import host_store
+    from lora_kernels.adapters import reader
 
     paths, ws = _folders(tmp_path, [4, 4, 4])
     one = pack_adapter("x", ws[0], SPEC, torch.float32, pin=False).nbytes
@@ -281,9 +281,8 @@ def test_store_of_folders_evicts_lru_and_rereads(tmp_path, monkeypatch):
     for i, p in enumerate(paths):
         store.register_path(f"a{i}", p)
     reads = []
-    orig = host_store.load_peft_adapter
-    monkeypatch.setattr(host_store, "load_peft_adapter",
-                        lambda path, *a, **k: reads.append(path) or orig(path, *a, **k))
+    orig = reader.read_packed
+    monkeypatch.setattr(reader, "read_packed", lambda aid, path, *a, **k: reads.append(path) or orig(aid, path, *a, **k))
     assert store.lookup("a0") is None and reads == []  # lookup never reads
     store.get("a0"), store.get("a1")
     assert store.lookup("a0") is not None  # a0 becomes the most recent: a1 is dropped next

@@ -322,6 +322,6 @@ def test_store_rejects_rank_above_pool(made):
     store = HostAdapterStore(spec, torch.float32, max_rank=4)
     store.register_path("x", made[0]["qv_rslora"][0])
     path = made[0]["qv_rslora"][0] / "adapter_model.safetensors"
-    with pytest.raises(AdapterFormatError, match="^" + re.escape(f"{path}: tensor {Q_A!r} has rank 8, above the "
-                                                                 f"pool's max rank 4") + "$"):
+    with pytest.raises(AdapterFormatError, match="^" + re.escape(f"adapter 'x': {path}: tensor {Q_A!r} has rank 8, "
+                                                                 f"above the pool's max rank 4") + "$"):
         store.get("x")

@@ -326,20 +326,20 @@ def test_engine_host_tier_reads_folders_evicts_and_stages(tmp_path, monkeypatch)
     the first from host memory (LRU), so that loading the first again reads its folder again."""
     import threading
 
-    from lora_kernels.adapters import host_store
+    from lora_kernels.adapters import reader
     from lora_kernels.serve_sim.run import adapter_folders, make_engine
 
     cfg = validate(SimConfig(**{**TINY, "adapters": 3, "ranks": "8", "host_budget": "34%"}, cache_dir=str(tmp_path)))
     paths = adapter_folders(cfg)
     engine = make_engine(cfg, paths)
     reads = []
-    orig = host_store.load_peft_adapter
+    orig = reader.read_packed
 
-    def spy(path, *args, **kw):
+    def spy(adapter_id, path, *args, **kw):
         reads.append((folders.Path(path).name, threading.current_thread().name))
-        return orig(path, *args, **kw)
+        return orig(adapter_id, path, *args, **kw)
 
-    monkeypatch.setattr(host_store, "load_peft_adapter", spy)
+    monkeypatch.setattr(reader, "read_packed", spy)
     try:
         engine.reset()
         assert engine.host_resident() == set() and engine.host_capacity_adapters() == pytest.approx(1.02, rel=1e-4)

@@ -1,5 +1,6 @@
-"""Adapter memory (DESIGN.md §6): PEFT loading, the pinned host store and its host-stage worker, the GPU slot pool
-and the async loader."""
+"""Adapter memory (DESIGN.md §6): PEFT loading (peft.py; reader.py reads a folder straight into its packed
+buffer), the packed byte layout and its copy plans (layout.py), the pinned host store and its host-stage
+workers, the GPU slot pool and the async loader."""
 
 from lora_kernels.adapters.h2d import batched_h2d_copy
 from lora_kernels.adapters.host_stage import HostStage, HostStager

@@ -3,9 +3,10 @@ on a background thread.
 
 A serving engine keeps N adapters as PEFT folders on disk, a byte-bounded LRU `HostAdapterStore` of
 packed buffers, and a few GPU slots. Loading a cold adapter is two stages: the host stage (read and
-parse the safetensors file, pack into pinned memory: tens of ms for an 8-layer Llama-3-8B adapter)
-and the H2D copy (`AdapterLoader.load_async(id, packed=...)` on the loader's side stream). The stager
-runs host stages on one worker thread, so the scheduler thread never reads a file:
+read each tensor of the safetensors file straight into its place in the packed pinned buffer, one pass:
+`reader.read_packed`) and the H2D copy (`AdapterLoader.load_async(id, packed=...)` on the loader's side
+stream). The stager runs host stages on N worker threads (default min(4, cores)), so the scheduler thread
+never reads a file and several cold adapters are read at once:
 
     stage = stager.submit("adapter_007")      # returns at once
     ...                                        # the scheduler keeps running steps
@@ -23,6 +24,7 @@ runs host stages on one worker thread, so the scheduler thread never reads a fil
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,15 +52,22 @@ class HostStage:
         return self.future.result(timeout)
 
 
-class HostStager:
-    """Runs `store.get` of cold adapters on one worker thread; thread-safe `submit`."""
+def default_workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
 
-    def __init__(self, store: HostAdapterStore):
-        self.store = store
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-host-stage")
+
+class HostStager:
+    """Runs `store.get` of cold adapters on `workers` threads (default min(4, cores)); thread-safe `submit`."""
+
+    def __init__(self, store: HostAdapterStore, workers: int | None = None):
+        workers = default_workers() if workers is None else workers
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"workers must be a positive int, got {workers!r}")
+        self.store, self.workers = store, workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-host-stage")
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, HostStage] = {}
-        self.stats = {"hits": 0, "reads": 0, "joins": 0, "read_s": 0.0}
+        self.stats = {"hits": 0, "reads": 0, "joins": 0, "errors": 0, "read_s": 0.0}
 
     def submit(self, adapter_id: Hashable) -> HostStage:
         with self._lock:
@@ -79,20 +88,26 @@ class HostStager:
 
     def _read(self, stage: HostStage) -> None:
         t0 = time.perf_counter()
+        packed, error = None, None
         try:
             packed = self.store.get(stage.adapter_id)
         except BaseException as e:  # delivered to whoever waits on the stage
-            stage._seconds = time.perf_counter() - t0
-            stage.future.set_exception(e)
-        else:
-            stage._seconds = time.perf_counter() - t0
-            self.stats["reads"] += 1
-            self.stats["read_s"] += stage._seconds
+            error = e
+        stage._seconds = time.perf_counter() - t0
+        # Out of the in-flight table before the waiter wakes: a done stage is never found there (a later
+        # submit of the id then hits the store, or reads again after an error).
+        with self._lock:
+            if self._inflight.get(stage.adapter_id) is stage:
+                del self._inflight[stage.adapter_id]
+            if error is None:
+                self.stats["reads"] += 1
+                self.stats["read_s"] += stage._seconds
+            else:
+                self.stats["errors"] += 1
+        if error is None:
             stage.future.set_result(packed)
-        finally:
-            with self._lock:
-                if self._inflight.get(stage.adapter_id) is stage:
-                    del self._inflight[stage.adapter_id]
+        else:
+            stage.future.set_exception(error)
 
     def close(self) -> None:
         """Waits for the reads in flight and stops the worker."""

@@ -1,99 +1,30 @@
 """Host-side adapter store: each adapter packed once into one contiguous pinned buffer, LRU by bytes.
 
-Buffer layout ("pool order"), all at the adapter's own rank r, each block starting on a 256-byte
-boundary:
+The buffer's byte layout, the `PackedAdapter` over it, packing, and the copy plans that read it live in
+`layout.py`. An adapter registered as a
+PEFT folder is read by `reader.read_packed`: each tensor of the safetensors file straight into its place
+in the buffer, in one pass. Registration is thread-safe (reading and packing run outside the lock). An
+adapter dropped from the store while a load still reads its buffer stays alive: the loader holds the
+`PackedAdapter` until its load event completes.
 
-    [int32 rank][float32 scaling]                              -> pool.lora_ranks[slot], pool.scalings[slot]
-    for layer in 0..L-1, for group in qkv, o, gate_up, down (if targeted):
-        A block: [S*r, in_dim]  (slice i in rows [i*r, (i+1)*r))  -> pool lora_a[slot] rows [i*R, i*R + r)
-        B block: [out_total, r]                               -> pool lora_b[slot][:, :r]
-
-so a load is one batched call of a few large copies (two per group when r equals the pool's max
-rank). Registration is thread-safe (packing runs outside the lock). An adapter dropped from the
-store while a load still reads its buffer stays alive: the loader holds the `PackedAdapter` until
-its load event completes.
+Bytes: the budget counts what the allocator really holds for each buffer (`layout.allocator_nbytes`: torch's
+pinned allocator rounds every request up to a power of two), not the bytes requested.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lora_kernels.adapters.peft import AdapterWeights, load_peft_adapter
+# The packed buffer and its packing live in layout.py; re-exported here, where callers found them first.
+from lora_kernels.adapters.layout import HEADER_BYTES, PackedAdapter, alloc_buffer, pack_adapter
+from lora_kernels.adapters.peft import AdapterWeights
 from lora_kernels.adapters.spec import ModelSpec
 
-HEADER_BYTES = 8
-ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass
-class PackedAdapter:
-    """One adapter in one host buffer; `a`/`b` are uint8 views of its blocks, keyed (layer, group), in pool order."""
-
-    adapter_id: str
-    rank: int
-    scaling: float
-    dtype: torch.dtype
-    buffer: torch.Tensor
-    header: torch.Tensor
-    a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    plans: dict = field(default_factory=dict, repr=False)  # the loader's per-pool source lists, cached
-
-    @property
-    def layout(self) -> tuple[tuple[int, str], ...]:
-        """The (layer, group) blocks present, in pool order."""
-        return tuple(self.a)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes a load moves: the header plus every block (alignment padding excluded)."""
-        return HEADER_BYTES + sum(v.numel() for d in (self.a, self.b) for v in d.values())
-
-
-def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> PackedAdapter:
-    """Packs `w` (converted to `dtype`) into one (pinned) uint8 buffer in pool order."""
-    if w.spec != spec:
-        raise ValueError(f"adapter {adapter_id!r} was read for {w.spec}, the store holds {spec}")
-    esize = torch.empty((), dtype=dtype).element_size()
-    layout = []  # (key, kind, offset, tensor)
-    off = _align(HEADER_BYTES)
-    for layer in range(spec.layers):
-        for g in spec.groups:
-            key = (layer, g.name)
-            if key not in w.lora_a:
-                continue
-            a, b = w.lora_a[key], w.lora_b.get(key)
-            want_a, want_b = (g.num_slices * w.rank, g.in_dim), (g.out_total, w.rank)
-            if tuple(a.shape) != want_a or b is None or tuple(b.shape) != want_b:
-                raise ValueError(f"adapter {adapter_id!r} layer {layer} {g.name}: lora_a {tuple(a.shape)} / lora_b "
-                                 f"{None if b is None else tuple(b.shape)}, expected {want_a} / {want_b}")
-            for kind, t in (("a", a), ("b", b)):
-                layout.append((key, kind, off, t))
-                off = _align(off + t.numel() * esize)
-    buf = torch.empty(off, dtype=torch.uint8, pin_memory=pin)
-    header = buf[:HEADER_BYTES]
-    header[:4].view(torch.int32)[0] = w.rank
-    header[4:].view(torch.float32)[0] = w.scaling
-    p = PackedAdapter(adapter_id, w.rank, float(header[4:].view(torch.float32)[0]), dtype, buf, header)
-    for key, kind, o, t in layout:
-        n = t.numel() * esize
-        view = buf[o:o + n]
-        view.view(dtype).view(t.shape).copy_(t)
-        getattr(p, kind)[key] = view
-    return p
+__all__ = ["HEADER_BYTES", "HostAdapterStore", "PackedAdapter", "alloc_buffer", "pack_adapter"]
 
 
 class HostAdapterStore:
@@ -106,12 +37,20 @@ class HostAdapterStore:
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16, capacity_bytes: int | None = None,
-                 pin: bool | None = None, max_rank: int | None = None):
+                 pin: bool | None = None, max_rank: int | None = None, check_finite: bool = False,
+                 read_threads: int = 4):
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool)
+                                           or capacity_bytes < 1):
+            raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
         self.spec = spec
         self.dtype = dtype
         self.capacity_bytes = capacity_bytes
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.max_rank = max_rank
+        # A finite check reads every byte again (aminmax): off by default on the host stage's hot path;
+        # `load_peft_adapter` always checks.
+        self.check_finite = check_finite
+        self.read_threads = read_threads
         self._lock = threading.Lock()
         self._packed: OrderedDict[str, PackedAdapter] = OrderedDict()
         self._paths: dict[str, Path] = {}
@@ -160,6 +99,14 @@ class HostAdapterStore:
             return list(self._packed)
 
     def get(self, adapter_id: str) -> PackedAdapter:
+        """The packed adapter, reading and packing its folder first when the store does not hold it.
+
+        Raises KeyError for an unknown id, ValueError when the adapter alone needs more than
+        `capacity_bytes` (checked from the file's header, before any allocation or read), and
+        AdapterFormatError naming the adapter and its file when the folder is missing or bad."""
+        from lora_kernels.adapters.peft import AdapterFormatError, plan_peft_adapter
+        from lora_kernels.adapters.reader import planned_nbytes, read_packed
+
         with self._lock:
             packed = self._packed.get(adapter_id)
             if packed is not None:
@@ -168,8 +115,18 @@ class HostAdapterStore:
             path = self._paths.get(adapter_id)
         if path is None:
             raise KeyError(f"adapter {adapter_id!r} is not in the host store (register it first)")
-        w = load_peft_adapter(path, self.spec, dtype=self.dtype, max_rank=self.max_rank)
-        return self.register(adapter_id, w)
+        try:
+            plan = plan_peft_adapter(path, self.spec, max_rank=self.max_rank)
+            need = planned_nbytes(plan, self.spec, self.dtype, self.pin)
+            if self.capacity_bytes is not None and need > self.capacity_bytes:
+                raise ValueError(f"adapter {adapter_id!r} ({path}) needs {need} bytes of host memory, above the "
+                                 f"store's capacity_bytes={self.capacity_bytes}")
+            packed = read_packed(adapter_id, path, self.spec, self.dtype, pin=self.pin, plan=plan,
+                                 check_finite=self.check_finite, read_threads=self.read_threads)
+        except AdapterFormatError as e:
+            raise AdapterFormatError(f"adapter {adapter_id!r}: {e}") from None
+        self._insert(packed)
+        return packed
 
     def drop(self, adapter_id: str) -> None:
         """Forgets the packed buffer (a registered path stays and is re-read on the next get)."""
@@ -184,8 +141,8 @@ class HostAdapterStore:
 
     def _insert(self, packed: PackedAdapter) -> None:
         if self.capacity_bytes is not None and packed.nbytes > self.capacity_bytes:
-            raise ValueError(f"adapter {packed.adapter_id!r} needs {packed.nbytes} bytes, above the store's "
-                             f"capacity_bytes={self.capacity_bytes}")
+            raise ValueError(f"adapter {packed.adapter_id!r} needs {packed.nbytes} bytes of host memory, above the "
+                             f"store's capacity_bytes={self.capacity_bytes}")
         with self._lock:
             self._drop_locked(packed.adapter_id)
             self._packed[packed.adapter_id] = packed

@@ -7,11 +7,16 @@ Ordering, all on the GPU (the host never waits):
 - `release(ids)` records an event on the current stream; the slot becomes evictable when no
   acquire is outstanding, and a later load into it waits on that event.
 Eviction picks the least recently used slot that is neither acquired nor still loading (an event
-query, never a wait). A load copies the header (rank, scaling) and the blocks with one
-`batched_h2d_copy`; when the adapter's rank r is below the pool's R, B blocks ([out, r], strided
-in the pool) land in a device staging buffer and one `_foreach_copy_` scatters them; groups the
-adapter does not target get their A rows zeroed (`_foreach_zero_`). With a CPU pool every copy is
-synchronous and no events exist. Not thread-safe: call it from the scheduler's thread.
+query, never a wait). A load copies the header (rank, scaling) and the blocks with `batched_h2d_copy`
+following the copy plan of `layout.py`; when the adapter's rank r is below the pool's R, B blocks land in
+a device staging buffer first and one strided copy per group scatters them into the slot on a side
+stream while the A blocks are still copying (the load stream waits for the scatters only at its end);
+groups the adapter does not target get their A rows zeroed. With a CPU pool every copy is synchronous
+and no events exist. Not thread-safe: call it from the scheduler's thread.
+
+References: the loader holds a load's `PackedAdapter` (its pinned source) until the load's event has
+completed, and drops it at the next event query that sees it complete (`is_loading`, `load_async`,
+`acquire`, `loading_ids`): nothing else keeps host buffers alive.
 """
 
 from __future__ import annotations
@@ -21,32 +26,100 @@ from typing import Hashable, Iterable
 
 import torch
 
+from lora_kernels.adapters import layout as lay
 from lora_kernels.adapters.h2d import batched_h2d_copy
-from lora_kernels.adapters.host_store import HEADER_BYTES, HostAdapterStore, PackedAdapter
+from lora_kernels.adapters.host_store import HostAdapterStore
+from lora_kernels.adapters.layout import PackedAdapter
 from lora_kernels.adapters.pool import GpuAdapterPool
 
 _PLAN_CACHE_MAX = 512
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+class _CopyIssuer:
+    """Issues one load's copies (the layout's copy plan) on the load stream; owns the plan cache, the
+    device staging buffer and the scatter stream."""
+
+    def __init__(self, pool: GpuAdapterPool, load_stream, backend: str):
+        self.pool, self.load_stream, self.backend = pool, load_stream, backend
+        self.scatter_stream = torch.cuda.Stream(pool.device) if load_stream is not None else None
+        self._staging: torch.Tensor | None = None
+        self._dst_plans: dict = {}
+
+    def sources(self, packed: PackedAdapter) -> list[torch.Tensor]:
+        """Host byte views in copy order (cached on the packed adapter per pool rank)."""
+        R = self.pool.max_rank
+        plan = packed.plans.get(R)
+        if plan is None:
+            plan = packed.plans[R] = lay.source_views(packed.blocks, packed.buffer, self.pool.spec, R)
+        return plan
+
+    def dests(self, slot: int, packed: PackedAdapter) -> lay.DestPlan:
+        key = (slot, packed.rank, packed.layout)
+        plan = self._dst_plans.get(key)
+        if plan is None:
+            staging = self._staging_buffer() if packed.rank < self.pool.max_rank else None
+            plan = lay.dest_plan(packed.blocks, self.pool, slot, staging)
+            if len(self._dst_plans) >= _PLAN_CACHE_MAX:
+                self._dst_plans.clear()
+            self._dst_plans[key] = plan
+        return plan
+
+    def issue(self, slot: int, packed: PackedAdapter, waits: Iterable[torch.cuda.Event]):
+        """Enqueues the load; returns its completion event (None for a CPU pool: the copies are done)."""
+        srcs, plan = self.sources(packed), self.dests(slot, packed)
+        if self.load_stream is None:
+            batched_h2d_copy(srcs, plan.dsts, backend=self.backend, check=False)
+            self._scatter_and_zero(plan)
+            return None
+        stream = self.load_stream
+        with torch.cuda.stream(stream):
+            for ev in waits:
+                stream.wait_event(ev)
+            k = plan.split
+            batched_h2d_copy(srcs[:k], plan.dsts[:k], stream, backend=self.backend, check=False)
+            scattered = None
+            if plan.scatter:  # on the side stream, while the A blocks below are copying
+                staged = torch.cuda.Event()
+                staged.record(stream)
+                self.scatter_stream.wait_event(staged)
+                with torch.cuda.stream(self.scatter_stream):
+                    for dst, src in plan.scatter:
+                        dst.copy_(src)
+                    scattered = torch.cuda.Event()
+                    scattered.record(self.scatter_stream)
+            batched_h2d_copy(srcs[k:], plan.dsts[k:], stream, backend=self.backend, check=False)
+            for t in plan.zero:
+                t.zero_()
+            if scattered is not None:
+                stream.wait_event(scattered)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    @staticmethod
+    def _scatter_and_zero(plan: lay.DestPlan) -> None:
+        for dst, src in plan.scatter:
+            dst.copy_(src)
+        for t in plan.zero:
+            t.zero_()
+
+    def _staging_buffer(self) -> torch.Tensor:
+        """Device room for every B block of an adapter of rank < R (allocated once, used only in load order)."""
+        if self._staging is None:
+            n = lay.staging_numel(self.pool.spec, self.pool.max_rank)
+            if self.load_stream is not None:
+                with torch.cuda.stream(self.load_stream):
+                    self._staging = torch.empty(n, dtype=self.pool.dtype, device=self.pool.device)
+            else:
+                self._staging = torch.empty(n, dtype=self.pool.dtype)
+        return self._staging
 
 
-class AdapterLoader:
-    """Slot assignment, async loads, LRU eviction and GPU-side ordering for one pool and one host store."""
+class _SlotTable:
+    """The loader's host-side state: which adapter holds which slot (LRU order), acquire counts, free slots,
+    and each slot's pending load event and the events its last users recorded at release."""
 
-    def __init__(self, pool: GpuAdapterPool, store: HostAdapterStore, load_stream: torch.cuda.Stream | None = None,
-                 backend: str = "auto"):
-        if store.spec != pool.spec or store.dtype != pool.dtype:
-            raise ValueError(f"store ({store.spec}, {store.dtype}) and pool ({pool.spec}, {pool.dtype}) differ")
-        self.pool, self.store, self.backend = pool, store, backend
-        self.is_cuda = pool.device.type == "cuda"
-        self.load_stream = None
-        if self.is_cuda:
-            self.load_stream = load_stream or torch.cuda.Stream(pool.device)
-            # The pool's tensors were zeroed on the current stream: the first loads come after that.
-            self.load_stream.wait_stream(torch.cuda.current_stream(pool.device))
-        n = pool.num_slots
+    def __init__(self, n: int):
         self._slot_of: OrderedDict[Hashable, int] = OrderedDict()  # resident adapters, least recent first
         self._id_of: list[Hashable | None] = [None] * n
         self._refs = [0] * n
@@ -54,8 +127,7 @@ class AdapterLoader:
         self._load_event: list[torch.cuda.Event | None] = [None] * n
         self._load_src: list[PackedAdapter | None] = [None] * n  # kept alive until its copies complete
         self._release_events: list[dict[int, torch.cuda.Event]] = [{} for _ in range(n)]
-        self._staging: torch.Tensor | None = None
-        self._dst_plans: dict = {}
+        self._pending: set[int] = set()  # slots whose load event has not been seen complete
         self.stats = {"loads": 0, "evictions": 0, "bytes": 0, "stall_events": 0, "hits": 0}
 
     # -- queries -------------------------------------------------------------------------------------------
@@ -79,6 +151,7 @@ class AdapterLoader:
             return True
         self._load_event[slot] = None
         self._load_src[slot] = None
+        self._pending.discard(slot)
         return False
 
     def loading_ids(self) -> list[Hashable]:
@@ -97,39 +170,6 @@ class AdapterLoader:
 
     def _evictable(self, slot: int) -> bool:
         return self._refs[slot] == 0 and not self.is_loading(slot)
-
-    # -- loading -------------------------------------------------------------------------------------------
-
-    def load_async(self, adapter_id: Hashable, victim: Hashable | None = None,
-                   packed: PackedAdapter | None = None) -> int:
-        """The adapter's slot, starting its load on the load stream if it is not resident.
-
-        victim: a resident adapter to replace (a prefetch plan's choice; it must be evictable); by
-        default a free slot, else the least recently used evictable one. packed: the adapter's host
-        buffer when a host stage already produced it (`HostStager`); by default `store.get`, which
-        reads and packs a cold adapter's folder here, on the caller's thread. Raises RuntimeError
-        when no slot can be taken (every slot acquired or still loading, or `victim` is not
-        evictable), KeyError when the store does not know the adapter, ValueError when its rank
-        exceeds the pool's max rank or `packed` is another adapter's.
-        """
-        slot = self._slot_of.get(adapter_id)
-        if slot is not None:
-            self._slot_of.move_to_end(adapter_id)
-            self.stats["hits"] += 1
-            return slot
-        if packed is None:
-            packed = self.store.get(adapter_id)
-        elif packed.adapter_id != adapter_id or packed.dtype != self.pool.dtype:
-            raise ValueError(f"packed adapter {packed.adapter_id!r} ({packed.dtype}) given for adapter "
-                             f"{adapter_id!r} ({self.pool.dtype})")
-        if packed.rank > self.pool.max_rank:
-            raise ValueError(f"adapter {adapter_id!r} has rank {packed.rank}, above the pool's max rank "
-                             f"{self.pool.max_rank}")
-        slot = self._take_slot(adapter_id, victim)
-        self._issue(slot, packed)
-        self._slot_of[adapter_id] = slot
-        self._id_of[slot] = adapter_id
-        return slot
 
     def unload(self, adapter_id: Hashable) -> None:
         """Frees the adapter's slot now (it must not be acquired or loading); the slot's data stays stale."""
@@ -160,100 +200,76 @@ class AdapterLoader:
                 self._id_of[slot] = None
                 self.stats["evictions"] += 1
                 return slot
-        raise RuntimeError(f"no slot for adapter {adapter_id!r}: all {self.pool.num_slots} slots are acquired or "
+        raise RuntimeError(f"no slot for adapter {adapter_id!r}: all {len(self._refs)} slots are acquired or "
                            f"still loading")
 
+    def _reap(self) -> None:
+        """Drops the references of loads that completed (event queries, never a wait)."""
+        for slot in list(self._pending):
+            self.is_loading(slot)
+
+
+class AdapterLoader(_SlotTable):
+    """Slot assignment, async loads, LRU eviction and GPU-side ordering for one pool and one host store."""
+
+    def __init__(self, pool: GpuAdapterPool, store: HostAdapterStore, load_stream: torch.cuda.Stream | None = None,
+                 backend: str = "auto"):
+        if store.spec != pool.spec or store.dtype != pool.dtype:
+            raise ValueError(f"store ({store.spec}, {store.dtype}) and pool ({pool.spec}, {pool.dtype}) differ")
+        self.pool, self.store, self.backend = pool, store, backend
+        self.is_cuda = pool.device.type == "cuda"
+        self.load_stream = None
+        if self.is_cuda:
+            self.load_stream = load_stream or torch.cuda.Stream(pool.device)
+            # The pool's tensors were zeroed on the current stream: the first loads come after that.
+            self.load_stream.wait_stream(torch.cuda.current_stream(pool.device))
+        super().__init__(pool.num_slots)
+        self._issuer = _CopyIssuer(pool, self.load_stream, backend)
+
+    # -- loading -------------------------------------------------------------------------------------------
+
+    def load_async(self, adapter_id: Hashable, victim: Hashable | None = None,
+                   packed: PackedAdapter | None = None) -> int:
+        """The adapter's slot, starting its load on the load stream if it is not resident.
+
+        victim: a resident adapter to replace (a prefetch plan's choice; it must be evictable); by
+        default a free slot, else the least recently used evictable one. packed: the adapter's host
+        buffer when a host stage already produced it (`HostStager`); by default `store.get`, which
+        reads and packs a cold adapter's folder here, on the caller's thread. Raises RuntimeError
+        when no slot can be taken (every slot acquired or still loading, or `victim` is not
+        evictable), KeyError when the store does not know the adapter, ValueError when its rank
+        exceeds the pool's max rank or `packed` is another adapter's.
+        """
+        slot = self._slot_of.get(adapter_id)
+        if slot is not None:
+            self._slot_of.move_to_end(adapter_id)
+            self.stats["hits"] += 1
+            return slot
+        self._reap()
+        if packed is None:
+            packed = self.store.get(adapter_id)
+        elif packed.adapter_id != adapter_id or packed.dtype != self.pool.dtype:
+            raise ValueError(f"packed adapter {packed.adapter_id!r} ({packed.dtype}) given for adapter "
+                             f"{adapter_id!r} ({self.pool.dtype})")
+        if packed.rank > self.pool.max_rank:
+            raise ValueError(f"adapter {adapter_id!r} has rank {packed.rank}, above the pool's max rank "
+                             f"{self.pool.max_rank}")
+        slot = self._take_slot(adapter_id, victim)
+        self._issue(slot, packed)
+        self._slot_of[adapter_id] = slot
+        self._id_of[slot] = adapter_id
+        return slot
+
     def _issue(self, slot: int, packed: PackedAdapter) -> None:
-        srcs = self._src_plan(packed)
-        dsts, staged_dst, staged_src, zero = self._dst_plan(slot, packed)
-        if not self.is_cuda:
-            batched_h2d_copy(srcs, dsts, backend=self.backend, check=False)
-            if staged_dst:
-                torch._foreach_copy_(staged_dst, staged_src)
-            if zero:
-                torch._foreach_zero_(zero)
-        else:
-            stream = self.load_stream
-            with torch.cuda.stream(stream):
-                for ev in self._release_events[slot].values():
-                    stream.wait_event(ev)
-                self._release_events[slot].clear()
-                batched_h2d_copy(srcs, dsts, stream, backend=self.backend, check=False)
-                if staged_dst:
-                    torch._foreach_copy_(staged_dst, staged_src)
-                if zero:
-                    torch._foreach_zero_(zero)
-                ev = torch.cuda.Event()
-                ev.record(stream)
+        waits = list(self._release_events[slot].values())
+        self._release_events[slot].clear()
+        ev = self._issuer.issue(slot, packed, waits)
+        if ev is not None:
             self._load_event[slot] = ev
-            self._load_src[slot] = packed
+            self._load_src[slot] = packed  # the pinned source stays alive until the copies complete
+            self._pending.add(slot)
         self.stats["loads"] += 1
         self.stats["bytes"] += packed.payload_bytes
-
-    def _src_plan(self, packed: PackedAdapter) -> list[torch.Tensor]:
-        """Host byte views in copy order (cached on the packed adapter per pool rank)."""
-        R = self.pool.max_rank
-        plan = packed.plans.get(R)
-        if plan is None:
-            r = packed.rank
-            plan = [packed.header[:4], packed.header[4:HEADER_BYTES]]
-            for (layer, gname), a in packed.a.items():
-                g = self.pool.spec.group(gname)
-                if r == R:
-                    plan.append(a)
-                else:
-                    step = a.numel() // g.num_slices
-                    plan += [a[i * step:(i + 1) * step] for i in range(g.num_slices)]
-                plan.append(packed.b[(layer, gname)])
-            packed.plans[R] = plan
-        return plan
-
-    def _dst_plan(self, slot: int, packed: PackedAdapter):
-        """(device byte views in copy order, staged B dsts, staging srcs, A views to zero) for this slot."""
-        key = (slot, packed.rank, packed.layout)
-        plan = self._dst_plans.get(key)
-        if plan is not None:
-            return plan
-        pool, r, R = self.pool, packed.rank, self.pool.max_rank
-        dsts = [_bytes(pool.lora_ranks[slot:slot + 1]), _bytes(pool.scalings[slot:slot + 1])]
-        staged_dst, staged_src, zero = [], [], []
-        staging = self._staging_buffer() if r < R else None
-        off = 0
-        present = set(packed.layout)
-        for layer in range(pool.spec.layers):
-            for g in pool.spec.groups:
-                a, b = pool.lora_a[layer][g.name][slot], pool.lora_b[layer][g.name][slot]
-                if (layer, g.name) not in present:
-                    zero.append(a)
-                    continue
-                if r == R:
-                    dsts += [_bytes(a), _bytes(b)]
-                    continue
-                dsts += [_bytes(a[i * R:i * R + r]) for i in range(g.num_slices)]
-                n = g.out_total * r
-                st = staging[off:off + n]
-                dsts.append(_bytes(st))
-                staged_src.append(st.view(g.out_total, r))
-                staged_dst.append(b[:, :r])
-                off += n
-        # The dst order must follow the src order: pool order over the blocks present.
-        plan = (dsts, staged_dst, staged_src, zero)
-        if len(self._dst_plans) >= _PLAN_CACHE_MAX:
-            self._dst_plans.clear()
-        self._dst_plans[key] = plan
-        return plan
-
-    def _staging_buffer(self) -> torch.Tensor:
-        """Device room for every B block of an adapter of rank < R (allocated once, used only on the load stream)."""
-        if self._staging is None:
-            spec, R = self.pool.spec, self.pool.max_rank
-            n = spec.layers * sum(g.out_total for g in spec.groups) * (R - 1)
-            if self.is_cuda:
-                with torch.cuda.stream(self.load_stream):
-                    self._staging = torch.empty(n, dtype=self.pool.dtype, device=self.pool.device)
-            else:
-                self._staging = torch.empty(n, dtype=self.pool.dtype)
-        return self._staging
 
     # -- batches -------------------------------------------------------------------------------------------
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,12 +121,22 @@ def _is_targeted(target, module: str) -> bool:
     return any(module == t or module.endswith("." + t) for t in target)
 
 
-def _read_config(folder: Path) -> dict:
+def _config_bytes(folder: Path) -> tuple[Path, bytes]:
     path = folder / CONFIG_NAME
-    if not path.is_file():
-        raise AdapterFormatError(f"{path}: not found (a PEFT adapter folder holds {CONFIG_NAME} and {WEIGHTS_NAME})")
     try:
-        cfg = json.loads(path.read_text())
+        return path, path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise AdapterFormatError(f"{path}: not found (a PEFT adapter folder holds {CONFIG_NAME} and "
+                                 f"{WEIGHTS_NAME})") from None
+
+
+def _read_config(folder: Path) -> dict:
+    return _parse_config(*_config_bytes(folder))
+
+
+def _parse_config(path: Path, raw: bytes) -> dict:
+    try:
+        cfg = json.loads(raw.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterFormatError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
@@ -146,12 +158,31 @@ def _read_config(folder: Path) -> dict:
     return cfg
 
 
-def _read_header(path: Path) -> dict:
-    """The safetensors header, checked against the file size so that truncation names a tensor."""
-    if not path.is_file():
-        raise AdapterFormatError(f"{path}: not found")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+# safetensors dtype names (the file header's spelling) -> torch dtypes.
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file, from its header: bytes [begin, end) of the file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _header_bytes(path: Path) -> tuple[int, bytes]:
+    """(file size, the JSON header's bytes), checked against the file size."""
+    try:
+        f = open(path, "rb")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise AdapterFormatError(f"{path}: not found") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise AdapterFormatError(f"{path}: corrupt or truncated safetensors file ({size} bytes, no header)")
@@ -159,72 +190,87 @@ def _read_header(path: Path) -> dict:
         if n > size - 8:
             raise AdapterFormatError(f"{path}: corrupt or truncated safetensors file (header of {n} bytes "
                                      f"in a {size}-byte file)")
-        raw = f.read(n)
+        return size, f.read(n)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """The tensors of a safetensors file, from its JSON header alone (no data read), checked against the
+    file size and the dtypes and shapes, so that truncation or corruption names the tensor."""
+    return _parse_header(path, *_header_bytes(path))
+
+
+def _parse_header(path: Path, size: int, raw: bytes) -> dict[str, TensorEntry]:
+    n = len(raw)
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterFormatError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise AdapterFormatError(f"{path}: corrupt safetensors header (not a JSON object)")
-    data_size = size - 8 - n
+    data_size, base = size - 8 - n, 8 + n
+    out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            begin, end = info["data_offsets"]
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+            dtype_name = info["dtype"]
         except (TypeError, KeyError, ValueError):
             raise AdapterFormatError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
         if end > data_size:
             raise AdapterFormatError(f"{path}: tensor {name!r} needs bytes [{begin}, {end}) of the data but the "
                                      f"file holds {data_size}: file truncated")
-    return header
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    header = _read_header(path)
-    out = {}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for name in header:
-                if name != "__metadata__":
-                    out[name] = f.get_tensor(name)
-    except SafetensorError as e:
-        raise AdapterFormatError(f"{path}: corrupt safetensors file ({e})") from None
-    except (TypeError, ValueError) as e:  # e.g. a dtype torch cannot represent
-        raise AdapterFormatError(f"{path}: cannot read tensor ({e})") from None
+        dtype = _ST_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise AdapterFormatError(f"{path}: cannot read tensor {name!r}: unsupported dtype {dtype_name!r}")
+        numel = math.prod(shape)
+        if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
+            raise AdapterFormatError(f"{path}: corrupt safetensors header entry for tensor {name!r} ({dtype_name} "
+                                     f"{list(shape)} in bytes [{begin}, {end}))")
+        out[name] = TensorEntry(name, dtype, shape, base + begin, base + end)
     return out
 
 
-def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype | None = None,
-                      max_rank: int | None = None) -> AdapterWeights:
-    """Reads a PEFT LoRA folder into `AdapterWeights` for a base model of shape `spec`.
+@dataclass(frozen=True)
+class ModuleRead:
+    """One PEFT module of the file and where it lands: slice `sl` (None = a fused module, every slice) of
+    group `group` of `layer`, at module rank `rank`, B multiplied by `factor` (its scaling over the slot's)."""
 
-    dtype: the weights' dtype (default: the file's); max_rank: the pool's max rank, checked here so
-    that a too-large adapter fails at load with its tensor named. Raises AdapterFormatError (a
-    ValueError) naming the file or tensor for: a missing/invalid config, a corrupt or truncated
-    safetensors file, unknown or missing tensors, shapes that do not match `spec`, a rank above
-    `max_rank`, a dtype that cannot be converted to floating point, or non-finite values.
-    """
-    folder = Path(path)
-    cfg = _read_config(folder)
-    wpath = folder / WEIGHTS_NAME
-    if not wpath.is_file() and (folder / "adapter_model.bin").is_file():
-        raise AdapterFormatError(f"{wpath}: not found (only adapter_model.bin is there; save with safetensors)")
-    tensors = _read_tensors(wpath)
-    r_default, alpha_default = cfg["r"], cfg.get("lora_alpha", cfg["r"])
-    rslora = bool(cfg.get("use_rslora", False))
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    layer: int
+    name: str
+    group: str
+    sl: int | None
+    a: TensorEntry
+    b: TensorEntry
+    rank: int
+    factor: float
+
+
+@dataclass
+class AdapterPlan:
+    """What a PEFT folder holds, checked against a `ModelSpec` from the config and the safetensors header only.
+
+    keys: the (layer, group) pairs present, in pool order; rank/scaling: the slot's."""
+
+    folder: Path
+    weights_path: Path
+    rank: int
+    scaling: float
+    modules: list[ModuleRead]
+    keys: tuple[tuple[int, str], ...]
+    file_dtype: torch.dtype
+    reads: dict = field(default_factory=dict, compare=False, repr=False)  # reader's byte plans, per dtype
+
+
+def _expected_modules(cfg: dict, spec: ModelSpec, names_in_file: set[str]):
+    """(targetable, expected) full module names -> (layer, PEFT name). A regex or "all-linear" cannot tell
+    fused from unfused names without the model: there a name is expected in every targeted layer once the
+    file has it in any layer."""
+    target = cfg["target_modules"]
     layers_to_transform = cfg.get("layers_to_transform")
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]
-
-    # Which modules the config says exist (the expected tensors), by full module name. A regex or
-    # "all-linear" cannot tell fused from unfused names without the model: there a module name is
-    # expected in every targeted layer once the file has it in any layer.
-    target = cfg["target_modules"]
-    names_in_file = {m["name"] for m in map(_KEY_RE.match, tensors) if m is not None}
     targetable: dict[str, tuple[int, str]] = {}
     expected: dict[str, tuple[int, str]] = {}
     for layer in range(spec.layers):
@@ -236,9 +282,13 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype |
                 targetable[module] = (layer, name)
                 if not isinstance(target, str) or name in names_in_file:
                     expected[module] = (layer, name)
+    return targetable, expected
 
-    found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
-    for key, t in tensors.items():
+
+def _match_tensors(entries: dict[str, TensorEntry], targetable, target, spec: ModelSpec, wpath: Path):
+    """module -> {"A"|"B": entry}; raises on unknown, out-of-range, untargeted or non-float tensors."""
+    found: dict[str, dict[str, TensorEntry]] = {}
+    for key, e in entries.items():
         m = _KEY_RE.match(key)
         if m is None or m["name"] not in MODULES:
             raise AdapterFormatError(f"{wpath}: unknown tensor {key!r} (expected "
@@ -251,66 +301,161 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype |
         if module not in targetable:
             raise AdapterFormatError(f"{wpath}: unknown tensor {key!r}: module {module} is not targeted by "
                                      f"target_modules={target!r}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise AdapterFormatError(f"{wpath}: tensor {key!r} has dtype {t.dtype}, which does not convert to "
-                                     f"floating point (shape {tuple(t.shape)})")
-        found.setdefault(module, {})[m["ab"]] = (key, t)
+        if e.dtype not in _FLOAT_DTYPES:
+            raise AdapterFormatError(f"{wpath}: tensor {key!r} has dtype {e.dtype}, which does not convert to "
+                                     f"floating point (shape {e.shape})")
+        found.setdefault(module, {})[m["ab"]] = e
+    return found
 
+
+def _module_reads(cfg: dict, expected, found, spec: ModelSpec, wpath: Path, max_rank: int | None):
+    """Per-module rank and scaling, with shape checks against the spec; (modules, slot rank, slot scaling)."""
+    target = cfg["target_modules"]
     for module in expected:
         for ab in "AB":
             if ab not in found.get(module, {}):
                 raise AdapterFormatError(f"{wpath}: missing tensor 'base_model.model.{module}.lora_{ab}.weight' "
                                          f"(target_modules={target!r} names it)")
-
-    # Per-module rank and scaling, with shape checks against the spec.
-    modules = []  # (layer, name, A, B, rank, scaling)
+    r_default, alpha_default = cfg["r"], cfg.get("lora_alpha", cfg["r"])
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    slot_scaling = _scaling(alpha_default, r_default, rslora) or 1.0
+    modules = []
     for module, (layer, name) in expected.items():
-        group = spec.group(MODULES[name][0])
-        sl = MODULES[name][1]
+        gname, sl = MODULES[name]
+        group = spec.group(gname)
         out = group.out_total if sl is None else group.slice_widths[sl]
         r_m = int(_pattern_value(rank_pattern, module, r_default))
         alpha_m = float(_pattern_value(alpha_pattern, module, alpha_default))
-        (ka, a), (kb, b) = found[module]["A"], found[module]["B"]
-        for key, t, want in ((ka, a, (r_m, group.in_dim)), (kb, b, (out, r_m))):
-            if tuple(t.shape) != want:
-                raise AdapterFormatError(f"{wpath}: tensor {key!r} has shape {tuple(t.shape)} but the model spec "
-                                         f"and rank {r_m} need {want} ({t.dtype})")
-            if not _all_finite(t):
-                raise AdapterFormatError(f"{wpath}: tensor {key!r} has non-finite values (shape {tuple(t.shape)})")
+        a, b = found[module]["A"], found[module]["B"]
+        for e, want in ((a, (r_m, group.in_dim)), (b, (out, r_m))):
+            if e.shape != want:
+                raise AdapterFormatError(f"{wpath}: tensor {e.name!r} has shape {e.shape} but the model spec "
+                                         f"and rank {r_m} need {want} ({e.dtype})")
         if max_rank is not None and r_m > max_rank:
-            raise AdapterFormatError(f"{wpath}: tensor {ka!r} has rank {r_m}, above the pool's max rank {max_rank}")
-        modules.append((layer, name, a, b, r_m, _scaling(alpha_m, r_m, rslora)))
+            raise AdapterFormatError(f"{wpath}: tensor {a.name!r} has rank {r_m}, above the pool's max rank "
+                                     f"{max_rank}")
+        factor = _scaling(alpha_m, r_m, rslora) / slot_scaling
+        modules.append(ModuleRead(layer, name, gname, sl, a, b, r_m, factor))
+    return modules, max((m.rank for m in modules), default=0), slot_scaling
 
-    rank = max((m[4] for m in modules), default=0)
+
+def _check_overlaps(modules: list[ModuleRead], spec: ModelSpec, wpath: Path) -> None:
+    filled: set[tuple[int, str, int]] = set()
+    for m in modules:
+        group = spec.group(m.group)
+        for i in (range(group.num_slices) if m.sl is None else (m.sl,)):
+            if (m.layer, m.group, i) in filled:
+                raise AdapterFormatError(f"{wpath}: module {m.name} of layer {m.layer} overlaps another module of "
+                                         f"group {m.group} (fused and unfused names both present)")
+            filled.add((m.layer, m.group, i))
+
+
+_PLANS: dict = {}  # (folder, config bytes, header bytes, file size, spec, max_rank) -> AdapterPlan
+_PLANS_MAX = 4096
+_plans_lock = threading.Lock()
+
+
+def plan_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int | None = None) -> AdapterPlan:
+    """Checks a PEFT folder against `spec` from its config and safetensors header (no tensor data read).
+    Raises AdapterFormatError naming the file or tensor (see `load_peft_adapter`, less the finite check).
+
+    A plan depends only on the config's bytes, the header's bytes and the file's size, which are read every
+    time (two small reads); the parse and checks (~1 ms for 8 Llama layers) are skipped when those are
+    unchanged, e.g. when an adapter dropped from host memory is read again. A file changed in any way that
+    matters changes them, so the cache never serves a stale plan."""
+    folder = Path(path)
+    cpath, craw = _config_bytes(folder)
+    wpath = folder / WEIGHTS_NAME
+    if not wpath.is_file() and (folder / "adapter_model.bin").is_file():
+        raise AdapterFormatError(f"{wpath}: not found (only adapter_model.bin is there; save with safetensors)")
+    size, hraw = _header_bytes(wpath)
+    key = (str(folder), craw, hraw, size, spec, max_rank)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    plan = _plan(folder, _parse_config(cpath, craw), wpath, _parse_header(wpath, size, hraw), spec, max_rank)
+    with _plans_lock:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _plan(folder: Path, cfg: dict, wpath: Path, entries: dict[str, TensorEntry], spec: ModelSpec,
+          max_rank: int | None) -> AdapterPlan:
+    names_in_file = {m["name"] for m in map(_KEY_RE.match, entries) if m is not None}
+    targetable, expected = _expected_modules(cfg, spec, names_in_file)
+    found = _match_tensors(entries, targetable, cfg["target_modules"], spec, wpath)
+    modules, rank, scaling = _module_reads(cfg, expected, found, spec, wpath, max_rank)
     if rank == 0:
-        raise AdapterFormatError(f"{wpath}: no LoRA tensors for target_modules={target!r}")
-    slot_scaling = _scaling(alpha_default, r_default, rslora) or 1.0
-    out_dtype = dtype or next(iter(tensors.values())).dtype
+        raise AdapterFormatError(f"{wpath}: no LoRA tensors for target_modules={cfg['target_modules']!r}")
+    _check_overlaps(modules, spec, wpath)
+    present = {(m.layer, m.group) for m in modules}
+    keys = tuple((layer, g.name) for layer in range(spec.layers) for g in spec.groups if (layer, g.name) in present)
+    file_dtype = next(iter(entries.values())).dtype
+    return AdapterPlan(folder, wpath, rank, scaling, modules, keys, file_dtype)
+
+
+def _read_tensors(plan: AdapterPlan) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    try:
+        with safe_open(str(plan.weights_path), framework="pt") as f:
+            for m in plan.modules:
+                for e in (m.a, m.b):
+                    out[e.name] = f.get_tensor(e.name)
+    except SafetensorError as e:
+        raise AdapterFormatError(f"{plan.weights_path}: corrupt safetensors file ({e})") from None
+    except (TypeError, ValueError) as e:  # e.g. a dtype torch cannot represent
+        raise AdapterFormatError(f"{plan.weights_path}: cannot read tensor ({e})") from None
+    return out
+
+
+def _assemble(plan: AdapterPlan, spec: ModelSpec, tensors: dict[str, torch.Tensor],
+              out_dtype: torch.dtype) -> AdapterWeights:
+    """The §3 blocks at the slot rank: module ranks zero-padded, missing slices zero, B rescaled per module."""
+    rank = plan.rank
+    w = AdapterWeights(spec, rank, plan.scaling, name=str(plan.folder))
+    for m in plan.modules:
+        group = spec.group(m.group)
+        key = (m.layer, m.group)
+        if key not in w.lora_a:
+            w.lora_a[key] = torch.zeros(group.num_slices * rank, group.in_dim, dtype=out_dtype)
+            w.lora_b[key] = torch.zeros(group.out_total, rank, dtype=out_dtype)
+        a, b = tensors[m.a.name], tensors[m.b.name]
+        for i in (range(group.num_slices) if m.sl is None else (m.sl,)):
+            w.lora_a[key][i * rank: i * rank + m.rank] = a  # copy_ casts: one rounding, as via float64
+        offs = group.slice_offsets
+        lo, hi = (0, group.out_total) if m.sl is None else (offs[m.sl], offs[m.sl + 1])
+        # rescaled in float64, cast once
+        w.lora_b[key][lo:hi, :m.rank] = b if m.factor == 1.0 else b.double() * m.factor
+    # pool order, as the packed layout walks it
+    w.lora_a = {k: w.lora_a[k] for k in plan.keys}
+    w.lora_b = {k: w.lora_b[k] for k in plan.keys}
+    return w
+
+
+def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype | None = None,
+                      max_rank: int | None = None) -> AdapterWeights:
+    """Reads a PEFT LoRA folder into `AdapterWeights` for a base model of shape `spec`.
+
+    dtype: the weights' dtype (default: the file's); max_rank: the pool's max rank, checked here so
+    that a too-large adapter fails at load with its tensor named. Raises AdapterFormatError (a
+    ValueError) naming the file or tensor for: a missing/invalid config, a corrupt or truncated
+    safetensors file, unknown or missing tensors, shapes that do not match `spec`, a rank above
+    `max_rank`, a dtype that cannot be converted to floating point, or non-finite values.
+    (The host store's direct reader, `reader.read_packed`, shares the checks but the finite one.)
+    """
+    plan = plan_peft_adapter(path, spec, max_rank=max_rank)
+    tensors = _read_tensors(plan)
+    for m in plan.modules:
+        for e in (m.a, m.b):
+            if not _all_finite(tensors[e.name]):
+                raise AdapterFormatError(f"{plan.weights_path}: tensor {e.name!r} has non-finite values "
+                                         f"(shape {e.shape})")
+    out_dtype = dtype or plan.file_dtype
     if out_dtype not in _FLOAT_DTYPES:
         raise AdapterFormatError(f"dtype must be one of {_FLOAT_DTYPES}, got {out_dtype}")
-
-    w = AdapterWeights(spec, rank, slot_scaling, name=str(folder))
-    acc_a: dict[tuple[int, str], torch.Tensor] = {}
-    acc_b: dict[tuple[int, str], torch.Tensor] = {}
-    filled: set[tuple[tuple[int, str], int]] = set()
-    for layer, name, a, b, r_m, s_m in modules:
-        gname, sl = MODULES[name]
-        group = spec.group(gname)
-        key = (layer, gname)
-        if key not in acc_a:
-            acc_a[key] = torch.zeros(group.num_slices * rank, group.in_dim, dtype=out_dtype)
-            acc_b[key] = torch.zeros(group.out_total, rank, dtype=out_dtype)
-        slices = range(group.num_slices) if sl is None else (sl,)
-        offs = group.slice_offsets
-        for i in slices:
-            if (key, i) in filled:
-                raise AdapterFormatError(f"{wpath}: module {name} of layer {layer} overlaps another module of "
-                                         f"group {gname} (fused and unfused names both present)")
-            filled.add((key, i))
-            acc_a[key][i * rank: i * rank + r_m] = a  # copy_ casts: one rounding, as via float64
-        lo, hi = (0, group.out_total) if sl is None else (offs[sl], offs[sl + 1])
-        factor = s_m / slot_scaling
-        acc_b[key][lo:hi, :r_m] = b if factor == 1.0 else b.double() * factor  # rescaled in float64, cast once
-    w.lora_a.update(acc_a)
-    w.lora_b.update(acc_b)
-    return w
+    return _assemble(plan, spec, tensors, out_dtype)

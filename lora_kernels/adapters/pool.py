@@ -5,6 +5,7 @@ For layer l and module group g (S slices, max rank R):
     pool.lora_a[l][g] : [num_slots, S*R, in_dim]      slice i of slot s in rows [i*R, i*R + rank)
     pool.lora_b[l][g] : [num_slots, out_total, R]     slice i in rows [off[i], off[i+1]), columns [0, rank)
     pool.lora_ranks   : int32[num_slots]   (0 = empty)      pool.scalings : float32[num_slots]
+    pool.lora_b_stacked[g] : [layers, num_slots, out_total, R]  every layer's lora_b of group g (strided view)
 
 The tensors start zeroed and are only ever overwritten with finite adapter data, so the stale rows
 beyond a slot's rank (which the kernels never read) and the B rows of a zeroed-out group are always
@@ -38,12 +39,23 @@ class GpuAdapterPool:
         self.device = torch.device(device)
         R = max_rank
         self.lora_a: list[dict[str, torch.Tensor]] = []
-        self.lora_b: list[dict[str, torch.Tensor]] = []
+        self.lora_b: list[dict[str, torch.Tensor]] = [{} for _ in range(model_spec.layers)]
         for _ in range(model_spec.layers):
             self.lora_a.append({g.name: torch.zeros(num_slots, g.num_slices * R, g.in_dim, dtype=dtype,
                                                     device=self.device) for g in model_spec.groups})
-            self.lora_b.append({g.name: torch.zeros(num_slots, g.out_total, R, dtype=dtype, device=self.device)
-                                for g in model_spec.groups})
+        # lora_b of one group, every layer, as one strided tensor [layers, num_slots, out_total, R]: a load of
+        # rank < R scatters a group's B columns of all layers in one copy (adapters/layout.py). Each layer's
+        # tensor is a contiguous view of it, starting on a 256-byte boundary like a separate allocation.
+        self.lora_b_stacked: dict[str, torch.Tensor] = {}
+        for g in model_spec.groups:
+            shape = (num_slots, g.out_total, R)
+            esize = torch.empty((), dtype=dtype).element_size()
+            step = -(-num_slots * g.out_total * R * esize // 256) * 256 // esize
+            flat = torch.zeros(model_spec.layers * step, dtype=dtype, device=self.device)
+            stacked = flat.as_strided((model_spec.layers, *shape), (step, g.out_total * R, R, 1))
+            self.lora_b_stacked[g.name] = stacked
+            for layer in range(model_spec.layers):
+                self.lora_b[layer][g.name] = stacked[layer]
         self.lora_ranks = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
 

@@ -12,6 +12,7 @@ Every layer has the four module groups of DESIGN.md §3, in this order (the "poo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,20 +74,13 @@ class ModelSpec:
 
     @property
     def groups(self) -> tuple[ModuleGroup, ...]:
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        return (
-            ModuleGroup("qkv_proj", ("q_proj", "k_proj", "v_proj"), self.hidden, (q, kv, kv)),
-            ModuleGroup("o_proj", ("o_proj",), q, (self.hidden,)),
-            ModuleGroup("gate_up_proj", ("gate_proj", "up_proj"), self.hidden, (self.intermediate, self.intermediate)),
-            ModuleGroup("down_proj", ("down_proj",), self.intermediate, (self.hidden,)),
-        )
+        return _groups_of(self)[0]
 
     def group(self, name: str) -> ModuleGroup:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise KeyError(f"unknown module group {name!r}; groups are {GROUP_NAMES}")
+        g = _groups_of(self)[1].get(name)
+        if g is None:
+            raise KeyError(f"unknown module group {name!r}; groups are {GROUP_NAMES}")
+        return g
 
     def adapter_numel(self, rank: int) -> int:
         """Elements of a full adapter (every group of every layer) at `rank`: Σ S*r*in + out_total*r."""
@@ -121,3 +115,17 @@ class ModelSpec:
         return cls(layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
                    intermediate=int(config["intermediate_size"]), num_heads=heads,
                    num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=int(head_dim))
+
+
+@functools.lru_cache(maxsize=64)
+def _groups_of(spec: ModelSpec) -> tuple[tuple[ModuleGroup, ...], dict[str, ModuleGroup]]:
+    """The module groups of `spec` (built once per shape: the host stage asks for them per tensor)."""
+    q = spec.num_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    groups = (
+        ModuleGroup("qkv_proj", ("q_proj", "k_proj", "v_proj"), spec.hidden, (q, kv, kv)),
+        ModuleGroup("o_proj", ("o_proj",), q, (spec.hidden,)),
+        ModuleGroup("gate_up_proj", ("gate_proj", "up_proj"), spec.hidden, (spec.intermediate, spec.intermediate)),
+        ModuleGroup("down_proj", ("down_proj",), spec.intermediate, (spec.hidden,)),
+    )
+    return groups, {g.name: g for g in groups}

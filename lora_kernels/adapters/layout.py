@@ -1,0 +1,257 @@
+"""The packed adapter byte layout and the copy plans that read it: the one place that knows both.
+
+One adapter of rank r lives on the host in one contiguous buffer ("pool order"), each block starting on
+a 256-byte boundary:
+
+    [int32 rank][float32 scaling]                              -> pool.lora_ranks[slot], pool.scalings[slot]
+    for layer in 0..L-1, for group in qkv, o, gate_up, down (if the adapter targets it):
+        A block: [S*r, in_dim]  (slice i in rows [i*r, (i+1)*r))  -> pool lora_a[slot] rows [i*R, i*R + r)
+        B block: [out_total, r]                               -> pool lora_b[slot][:, :r]
+
+`PackedLayout` gives every block's offset; `PackedAdapter` is one adapter's buffer with views of its blocks
+(`pack_adapter` fills it from `AdapterWeights`, `reader.read_packed` reads each file tensor straight into
+it); `source_views` and `dest_plan` turn it into the loader's copy lists. Nothing else knows the layout.
+
+Copy plan. When r equals the pool's max rank R every block is one contiguous copy (two per group). When
+r < R, A slices are still contiguous in the pool (r of R rows each), but B's r columns are strided (rows
+of R): B blocks are copied contiguously into a device staging buffer, ordered by group and then layer,
+and one strided copy per group (`GpuAdapterPool.lora_b_stacked`, all layers at once: 4 launches per
+load, not one per layer and group) scatters them into the slot. The loader runs those scatters on a side
+stream while the A blocks are still being copied, so they cost no time on the load stream: a load moves
+the adapter's own bytes and no padding.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_kernels.adapters.peft import AdapterWeights
+from lora_kernels.adapters.spec import ModelSpec
+
+HEADER_BYTES = 8
+ALIGN = 256
+
+Key = tuple[int, str]  # (layer, group name)
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def allocator_nbytes(nbytes: int, pinned: bool) -> int:
+    """Bytes the allocator really holds for a request of `nbytes`: torch's caching pinned-host allocator
+    rounds every request up to a power of two (its default; `pinned_max_round_threshold` is unlimited),
+    the CPU allocator does not round."""
+    if not pinned or nbytes <= 1:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One block of the packed buffer: `rows` x `cols` elements at byte `offset`."""
+
+    offset: int
+    rows: int
+    cols: int
+    esize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.esize
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This block's bytes of `buffer` (uint8)."""
+        return buffer[self.offset:self.offset + self.nbytes]
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each block of an adapter of rank `rank` over blocks `keys` lies in its packed buffer."""
+
+    rank: int
+    esize: int
+    keys: tuple[Key, ...]
+    a: dict[Key, Span] = field(compare=False)
+    b: dict[Key, Span] = field(compare=False)
+    nbytes: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes a load moves: the header plus every block (alignment padding excluded)."""
+        return HEADER_BYTES + sum(s.nbytes for d in (self.a, self.b) for s in d.values())
+
+
+@functools.lru_cache(maxsize=256)
+def packed_layout(spec: ModelSpec, rank: int, keys: tuple[Key, ...], esize: int) -> PackedLayout:
+    """The layout of an adapter of `rank` holding blocks `keys` (pool order) with `esize`-byte elements."""
+    a, b = {}, {}
+    off = align(HEADER_BYTES)
+    for key in keys:
+        g = spec.group(key[1])
+        a[key] = Span(off, g.num_slices * rank, g.in_dim, esize)
+        off = align(off + a[key].nbytes)
+        b[key] = Span(off, g.out_total, rank, esize)
+        off = align(off + b[key].nbytes)
+    return PackedLayout(rank, esize, keys, a, b, off)
+
+
+def write_header(buffer: torch.Tensor, rank: int, scaling: float) -> float:
+    """Writes (rank, scaling) into the buffer's header; returns the scaling as stored (float32)."""
+    header = buffer[:HEADER_BYTES]
+    header[:4].view(torch.int32)[0] = rank
+    header[4:].view(torch.float32)[0] = scaling
+    return float(header[4:].view(torch.float32)[0])
+
+
+# ---- the packed buffer -------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class PackedAdapter:
+    """One adapter in one host buffer; `a`/`b` are uint8 views of its blocks, keyed (layer, group), in pool order."""
+
+    adapter_id: str
+    rank: int
+    scaling: float
+    dtype: torch.dtype
+    buffer: torch.Tensor
+    header: torch.Tensor
+    a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    plans: dict = field(default_factory=dict, repr=False)  # the loader's per-pool source lists, cached
+    blocks: PackedLayout | None = None
+    held_bytes: int = 0
+
+    @property
+    def layout(self) -> tuple[tuple[int, str], ...]:
+        """The (layer, group) blocks present, in pool order."""
+        return tuple(self.a)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this adapter costs: what the allocator holds for its buffer (rounded up when pinned)."""
+        return self.held_bytes or self.buffer.numel()
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes a load moves: the header plus every block (alignment padding excluded)."""
+        return HEADER_BYTES + sum(v.numel() for d in (self.a, self.b) for v in d.values())
+
+
+def alloc_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def wrap_buffer(adapter_id: str, blocks: PackedLayout, buf: torch.Tensor, scaling: float, dtype: torch.dtype,
+                pin: bool) -> PackedAdapter:
+    """The `PackedAdapter` over a buffer laid out as `blocks` (header written here)."""
+    stored = write_header(buf, blocks.rank, scaling)
+    p = PackedAdapter(adapter_id, blocks.rank, stored, dtype, buf, buf[:HEADER_BYTES], blocks=blocks,
+                      held_bytes=allocator_nbytes(buf.numel(), pin))
+    for key in blocks.keys:
+        p.a[key] = blocks.a[key].view(buf)
+        p.b[key] = blocks.b[key].view(buf)
+    return p
+
+
+def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> PackedAdapter:
+    """Packs `w` (converted to `dtype`) into one (pinned) uint8 buffer in pool order."""
+    if w.spec != spec:
+        raise ValueError(f"adapter {adapter_id!r} was read for {w.spec}, the store holds {spec}")
+    keys = tuple((layer, g.name) for layer in range(spec.layers) for g in spec.groups if (layer, g.name) in w.lora_a)
+    for key in keys:
+        g = spec.group(key[1])
+        a, b = w.lora_a[key], w.lora_b.get(key)
+        want_a, want_b = (g.num_slices * w.rank, g.in_dim), (g.out_total, w.rank)
+        if tuple(a.shape) != want_a or b is None or tuple(b.shape) != want_b:
+            raise ValueError(f"adapter {adapter_id!r} layer {key[0]} {g.name}: lora_a {tuple(a.shape)} / lora_b "
+                             f"{None if b is None else tuple(b.shape)}, expected {want_a} / {want_b}")
+    esize = torch.empty((), dtype=dtype).element_size()
+    blocks = packed_layout(spec, w.rank, keys, esize)
+    buf = alloc_buffer(blocks.nbytes, pin)
+    p = wrap_buffer(adapter_id, blocks, buf, w.scaling, dtype, pin)
+    for key in keys:
+        for view, t in ((p.a[key], w.lora_a[key]), (p.b[key], w.lora_b[key])):
+            view.view(dtype).view(t.shape).copy_(t)
+    return p
+
+
+# ---- copy plans --------------------------------------------------------------------------------------------
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def source_views(layout: PackedLayout, buffer: torch.Tensor, spec: ModelSpec, max_rank: int) -> list[torch.Tensor]:
+    """Host byte views of `buffer` in the copy order `dest_plan` uses for a pool of max rank `max_rank`."""
+    r = layout.rank
+    srcs = [buffer[:4], buffer[4:HEADER_BYTES]]
+    if r == max_rank:
+        for key in layout.keys:
+            srcs += [layout.a[key].view(buffer), layout.b[key].view(buffer)]
+        return srcs
+    for key in _staging_order(layout.keys):  # B blocks first: their scatter overlaps the A copies
+        srcs.append(layout.b[key].view(buffer))
+    for key in layout.keys:
+        a = layout.a[key].view(buffer)
+        step = a.numel() // spec.group(key[1]).num_slices
+        srcs += [a[i * step:(i + 1) * step] for i in range(spec.group(key[1]).num_slices)]
+    return srcs
+
+
+def _staging_order(keys: tuple[Key, ...]) -> list[Key]:
+    """B blocks by group (spec order of first appearance), then layer: each group's blocks are adjacent."""
+    groups = list(dict.fromkeys(g for _, g in keys))
+    return sorted(keys, key=lambda k: (groups.index(k[1]), k[0]))
+
+
+@dataclass
+class DestPlan:
+    """Device byte views in copy order; strided B scatters (dst, staging src) to run after the B copies;
+    A views of untargeted groups to zero (a zero A row adds exactly 0 whatever stale B holds)."""
+
+    dsts: list[torch.Tensor]
+    scatter: list[tuple[torch.Tensor, torch.Tensor]]
+    zero: list[torch.Tensor]
+    split: int  # copies [0, split) are the header and the staged B blocks: the scatters wait for them only
+    staged_bytes: int = 0
+
+
+def staging_numel(spec: ModelSpec, max_rank: int) -> int:
+    """Elements of a staging buffer that holds every B block of an adapter of rank < max_rank."""
+    return spec.layers * sum(g.out_total for g in spec.groups) * max(max_rank - 1, 0)
+
+
+def dest_plan(layout: PackedLayout, pool, slot: int, staging: torch.Tensor | None) -> DestPlan:
+    """The pool-side half of a load of `layout` into `slot` (pairs with `source_views`)."""
+    spec, r, R = pool.spec, layout.rank, pool.max_rank
+    dsts = [_bytes(pool.lora_ranks[slot:slot + 1]), _bytes(pool.scalings[slot:slot + 1])]
+    present = set(layout.keys)
+    zero = [pool.lora_a[layer][g.name][slot] for layer in range(spec.layers) for g in spec.groups
+            if (layer, g.name) not in present]
+    if r == R:
+        for layer, g in layout.keys:
+            dsts += [_bytes(pool.lora_a[layer][g][slot]), _bytes(pool.lora_b[layer][g][slot])]
+        return DestPlan(dsts, [], zero, len(dsts))
+    assert staging is not None, "an adapter below the pool's max rank needs the staging buffer"
+    scatter, off = [], 0
+    order = _staging_order(layout.keys)
+    for gname in dict.fromkeys(g for _, g in order):
+        layers = [layer for layer, g in order if g == gname]
+        out = spec.group(gname).out_total
+        st = staging[off:off + len(layers) * out * r].view(len(layers), out, r)
+        off += st.numel()
+        dsts += [_bytes(st[i]) for i in range(len(layers))]
+        stacked = pool.lora_b_stacked[gname]
+        if layers == list(range(spec.layers)):  # every layer: one strided copy for the whole group
+            scatter.append((stacked[:, slot, :, :r], st))
+        else:
+            scatter += [(stacked[layer, slot, :, :r], st[i]) for i, layer in enumerate(layers)]
+    split = len(dsts)
+    for layer, g in layout.keys:
+        a = pool.lora_a[layer][g][slot]
+        dsts += [_bytes(a[i * R:i * R + r]) for i in range(spec.group(g).num_slices)]
+    return DestPlan(dsts, scatter, zero, split, off * staging.element_size())
