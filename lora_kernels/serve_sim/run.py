@@ -264,36 +264,47 @@ def _rates(cfg: SimConfig, engine, report: Report, dist: str, on_run, bar) -> li
 
 
 def run_grid(cfg: SimConfig, engine, report: Report, on_run: Callable[[dict, SimResult], None] | None = None,
-             bar=None) -> Report:
+             bar=None, stop: Callable[[], bool] | None = None) -> Report:
     """Every (popularity, load, seed) trace under every policy; rows into `report` (see the module docstring).
-    `engine` is a `ModelEngine` or a wrapper of one; `on_run(row, result)` is called after each run."""
+    Seed-major: the capacities first, then seed by seed every popularity and load, so that `stop()` (checked
+    before each seed; True ends the grid) leaves every cell with the same seeds. `engine` is a `ModelEngine`
+    or a wrapper of one; `on_run(row, result)` is called after each run."""
     backends = tuple(dict.fromkeys(cfg.check_backends + (cfg.backend,))) if cfg.check else ()
     bar = bar if bar is not None else progress_bar(run_count(cfg), False, "")
+    rates = {}
     for dist in cfg.dist_list():
         bar.set_postfix_str(f"{dist} capacity")
-        rates = _rates(cfg, engine, report, dist, on_run, bar)
-        for li, (load, rate) in enumerate(rates):
-            for si, seed in enumerate(cfg.trace_seeds()):
+        rates[dist] = _rates(cfg, engine, report, dist, on_run, bar)
+    for si, seed in enumerate(cfg.trace_seeds()):
+        if stop is not None and stop():
+            break
+        for dist in cfg.dist_list():
+            for li, (load, rate) in enumerate(rates[dist]):
                 trace = make_trace(cfg, len(engine.ranks), dist=dist, rate=rate, seed=seed)
                 record = bool(backends) and dist == cfg.dist_list()[0] and li == si == 0
+                keep = li == len(rates[dist]) // 2 and si == 0
                 for policy in cfg.policies:
-                    bar.set_postfix_str(f"{dist} load {load} seed {seed} {policy}")
-                    engine.record = Records(backends, cfg.sample) if record else None
-                    res = simulate(trace, scheduler_config(cfg, policy), engine)
-                    row = {**summarize(res), "dist": dist, "load": load, "rate": rate, "seed": seed,
-                           "unfed_steps": engine.unfed_steps, "unfed_loads": engine.unfed_loads}
-                    report.rows.append(row)
-                    if record:
-                        report.records[policy] = engine.record
-                    if li == len(rates) // 2 and si == 0:
-                        report.results.setdefault(dist, {})[policy] = res
-                    if on_run is not None:
-                        on_run(row, res)
+                    bar.set_postfix_str(f"seed {seed} {dist} load {load} {policy}")
+                    _run_one(cfg, engine, report, trace, policy, dict(dist=dist, load=load, rate=rate, seed=seed),
+                             Records(backends, cfg.sample) if record else None, keep, on_run)
                     bar.update(1)
     engine.record = None
     if len(report.records) > 1:
         report.check = {b: compare_records(report.records, b) for b in backends}
     return report
+
+
+def _run_one(cfg, engine, report: Report, trace, policy: str, where: dict, record, keep: bool, on_run) -> None:
+    engine.record = record
+    res = simulate(trace, scheduler_config(cfg, policy), engine)
+    row = {**summarize(res), **where, "unfed_steps": engine.unfed_steps, "unfed_loads": engine.unfed_loads}
+    report.rows.append(row)
+    if record is not None:
+        report.records[policy] = record
+    if keep:
+        report.results.setdefault(where["dist"], {})[policy] = res
+    if on_run is not None:
+        on_run(row, res)
 
 
 def run_sim(cfg: SimConfig, progress: bool = False) -> Report:

@@ -160,6 +160,8 @@ def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
             t_arrival = states[nxt].req.arrival
             rs.issue(sched.on_arrival(t_arrival, cache), t_arrival)
             nxt += 1
+        if rs.pending:  # loads started at arrivals: placed now, so a load ready by `now` is usable now
+            rs.settle()
         t0 = time.perf_counter()
         plan = sched.schedule(now, cache)
         res.prep_s += time.perf_counter() - t0
