@@ -110,7 +110,7 @@ def _print_header(rep) -> None:
               f"folders on demand")
     timer = "CUDA events" if c.device.startswith("cuda") else "CPU time"
     print(f"clock: simulated, advanced by each step's measured time ({timer}); a load = host stage (folder read + "
-          f"pack, wall time on a worker thread, {h.get('workers', 1)} workers) then copy ({timer}, one copy engine); "
+          f"pack, wall time on a worker thread; host workers: {h.get('workers', 1)}) then copy ({timer}, one copy engine); "
           f"the oracle's loads run but take no time; host prep is measured apart")
 
 

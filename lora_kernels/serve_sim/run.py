@@ -52,7 +52,7 @@ class SimConfig:
     rate: float | None = None  # one fixed rate in requests/s (Poisson); None: the `loads` levels
     loads: str = "0.5,0.8,0.95"  # load levels: fractions of the measured capacity (blocking, all queued at t = 0)
     seeds: int = 5  # trace seeds per (popularity, load): seed, seed + 1, ...
-    requests: int = 80
+    requests: int = 48  # per trace; the CLI runs (loads x seeds + 1) traces per popularity under each policy
     dist: str = "zipf:1.5"  # adapter popularity; a comma list runs each
     input_len: str = "16:128"
     output_len: str = "4:32"
