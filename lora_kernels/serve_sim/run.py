@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,7 +165,9 @@ def validate(cfg: SimConfig) -> SimConfig:
     dtype = cfg.dtype or ("bf16" if dev.type == "cuda" else "fp32")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    backend = resolve_backend(cfg.backend, dev)
+    # "auto" stays "auto" on CUDA, so that apply_lora picks per batch (its regime) as an engine's call would.
+    name = cfg.backend or os.environ.get("LORA_KERNELS_BACKEND") or "auto"
+    backend = "auto" if name == "auto" and dev.type == "cuda" else resolve_backend(name, dev)
     for b in cfg.check_backends:
         resolve_backend(b, dev)
     return dataclasses.replace(cfg, max_rank=max_rank, device=str(dev), dtype=dtype, backend=backend)
