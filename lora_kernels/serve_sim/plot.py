@@ -35,9 +35,10 @@ def plot_data(report, dist: str) -> dict:
     (bench results are re-plotted from it)."""
     c = report.config
     results = report.results[dist]
-    rate = next(r["rate"] for r in report.rows if r["dist"] == dist and r["policy"] == next(iter(results)))
+    w = report.shown[dist]
+    load = "" if w["load"] is None else f"load {w['load']:g} = "
     title = (f"{c.model} x{c.spec().layers} layers, {len(report.adapter_ranks)} adapters over {c.slots} slots, "
-             f"{dist}, {rate:.3g} req/s, seed {c.seed} ({c.device}, {c.backend})")
+             f"{dist}, {load}{w['rate']:.3g} req/s, seed {w['seed']} ({c.device}, {c.backend})")
     return {"title": title, "policies": {
         name: {"timeline": [list(t) for t in res.timeline],
                "ttft_ms": [1e3 * (r.first_token_at - r.req.arrival) for r in res.requests],

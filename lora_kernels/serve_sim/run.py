@@ -214,6 +214,7 @@ class Report:
     rows: list[dict] = field(default_factory=list)  # one per (dist, load, seed, policy) run
     capacity: dict = field(default_factory=dict)  # dist -> {"req_s", and the capacity run's summary}
     results: dict = field(default_factory=dict)  # dist -> policy -> SimResult of the first seed at the middle load
+    shown: dict = field(default_factory=dict)  # dist -> {"load", "rate", "seed"} of those results
     records: dict = field(default_factory=dict)  # policy -> Records of the first run
     check: dict = field(default_factory=dict)  # backend -> compare_records(...)
     adapter_ranks: list[int] = field(default_factory=list)
@@ -306,6 +307,7 @@ def _run_one(cfg, engine, report: Report, trace, policy: str, where: dict, recor
         report.records[policy] = record
     if keep:
         report.results.setdefault(where["dist"], {})[policy] = res
+        report.shown[where["dist"]] = where
     if on_run is not None:
         on_run(row, res)
 
