@@ -57,9 +57,9 @@ def base_config(args) -> sr.SimConfig:
     common_kw = dict(requests=args.requests, seeds=args.seeds, loads=args.loads, dist=args.dists, check=False,
                      cache_dir=args.cache_dir, host_budget=args.host_budget, host_workers=args.host_workers)
     if args.smoke:
-        return sr.SimConfig(model="tiny", layers=1, adapters=16, slots=4, ranks="8,16,32", input_len="8:64",
+        return sr.SimConfig(model="tiny", layers=2, adapters=16, slots=4, ranks="8,16,32", input_len="8:64",
                             output_len="2:16", chunk=32, max_running=8, max_batch_tokens=64, device="cpu",
-                            backend="torch", **common_kw)
+                            backend="torch", timed_layers=args.timed_layers, **common_kw)
     return sr.SimConfig(model="llama3-8b", layers=args.layers, adapters=64, slots=16, ranks="8,16,32,64", max_rank=64,
                         input_len="8:512", output_len="8:128", chunk=512, max_running=32, max_batch_tokens=2048,
                         max_prefetch=4, dtype="bf16", device="cuda", backend=args.backend,
@@ -176,13 +176,13 @@ def timing_check(cfg, engine, md: list[str], rows: list[dict]) -> None:
     log(f"== step-time estimate: {k} of {cfg.spec().layers} layers x {cfg.spec().layers / k:g} against all layers")
     c = dataclasses.replace(cfg, requests=12)
     both = _BothWays(engine, k)
-    simulate(sr.make_trace(c, len(engine.ranks), dist=cfg.dist_list()[0], rate=math.inf), 
+    simulate(sr.make_trace(c, len(engine.ranks), dist=cfg.dist_list()[0], rate=math.inf),
              sr.scheduler_config(c, "overlap+prefetch"), both)
     out = []
     for kind, sel in (("prefill", True), ("decode", False)):
         r = np.array([e / f for p, e, f in both.pairs if p == sel and f > 0])
         if r.size:
-            q = np.percentile(r, [10, 50, 90])
+            q = [float(x) for x in np.percentile(r, [10, 50, 90])]
             out.append(f"{kind} steps ({r.size}): estimate / measured p10 {q[0]:.3f}, median {q[1]:.3f}, p90 {q[2]:.3f}")
             rows.append({"scenario": "step-time estimate", "kind": kind, "steps": int(r.size), "timed_layers": k,
                          "ratio_p10": q[0], "ratio_p50": q[1], "ratio_p90": q[2]})
@@ -307,7 +307,7 @@ def main() -> int:
     if args.quick:
         args.requests, args.layers, args.seeds = 60, 2, 2
     if args.smoke:
-        args.requests = min(args.requests, 24)
+        args.requests = min(args.requests, 20)
     elif not torch.cuda.is_available():
         print("bench_serving.py needs a CUDA device (--smoke runs it on the CPU)", file=sys.stderr)
         return 1
