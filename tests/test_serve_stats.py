@@ -124,3 +124,33 @@ def test_progress_bar_only_on_a_terminal(monkeypatch, capsys):
             bar.update(3)
         err = capsys.readouterr().err
         assert ("runs" in err) == shown, (tty, enabled, err)
+
+
+def test_make_stager_reads_back_the_workers_it_runs(monkeypatch):
+    """The simulator places host stages on as many workers as the stager really runs: the count is passed where
+    the constructor takes one and read back from the stager (one for the one-worker stager)."""
+    from lora_kernels.serve_sim import engine as engine_mod
+
+    stager, n = engine_mod.make_stager(object(), 3)
+    assert n == 1 or n == 3  # 3 once HostStager takes a worker count, else its one worker
+    stager.close()
+
+    class Stager:
+        def __init__(self, store, num_workers=2):
+            self.num_workers = num_workers
+
+    monkeypatch.setattr(engine_mod, "HostStager", Stager)
+    assert engine_mod.make_stager(object(), 5)[1] == 5
+
+
+def test_cli_reports_every_checked_backend(tmp_path):
+    """--check-backends torch,triton (Triton in its interpreter here): both compared across policies; torch identical,
+    and the Triton figure reported (max difference) whatever it is."""
+    from lora_kernels.serve_sim.run import SimConfig, run_sim
+
+    rep = run_sim(SimConfig(model="tiny", layers=1, adapters=3, slots=2, ranks="4,8", requests=5, rate=500.0, seeds=1,
+                            input_len="2:9", output_len="1:3", chunk=8, max_batch_tokens=16, device="cpu",
+                            backend="torch", check_backends=("torch", "triton"), cache_dir=str(tmp_path)))
+    assert set(rep.check) == {"torch", "triton"} and rep.check["torch"]["identical"]
+    assert rep.check["triton"]["positions_compared"] == rep.check["torch"]["positions_compared"] > 0
+    assert rep.check["triton"]["max_rel_diff"] < 1e-4  # fp32 on the CPU

@@ -62,6 +62,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--cache-dir", default=None, help="where generated adapters are kept (default: ~/.cache/lora_kernels)")
     a("--seed", type=int, default=d.seed)
     a("--no-check", action="store_true", help="skip recording and comparing outputs across policies")
+    a("--check-backends", default="torch",
+      help="backends whose outputs are compared across policies, besides the run's (comma list; default torch, "
+           "which must be identical; the others' max difference is reported)")
     a("--json", action="store_true", help="print one JSON object instead of the table")
     a("--plot", default=None, metavar="OUT.png",
       help="write the ratios to the oracle against load with CI bands to OUT.png, and a timeline + latency CDF "
@@ -89,7 +92,8 @@ def _config(args):
                      max_prefetch=args.max_prefetch, lookahead=args.lookahead, host_budget=args.host_budget,
                      policies=policies, dtype=args.dtype,
                      device=args.device, backend=args.backend, adapter_dir=args.adapter_dir,
-                     cache_dir=args.cache_dir, seed=args.seed, check=not args.no_check)
+                     cache_dir=args.cache_dir, seed=args.seed, check=not args.no_check,
+                     check_backends=tuple(b.strip() for b in args.check_backends.split(",")))
 
 
 def _print_header(rep) -> None:

@@ -61,13 +61,18 @@ def parse_host_budget(spec: str) -> tuple[str, float]:
 
 
 def make_stager(store: HostAdapterStore, workers: int) -> tuple[HostStager, int]:
-    """A `HostStager` with `workers` threads where its constructor takes a worker count, else its one worker;
-    returns (stager, workers it runs)."""
+    """A `HostStager` with `workers` threads where its constructor takes a worker count; returns (stager, the
+    threads it really runs), read back from the stager so that the simulator places host stages on as many
+    simulated workers as ran them."""
     params = inspect.signature(HostStager).parameters
-    for name in ("workers", "num_workers", "max_workers"):
-        if name in params:
-            return HostStager(store, **{name: workers}), workers
-    return HostStager(store), 1
+    name = next((n for n in ("workers", "num_workers", "max_workers") if n in params), None)
+    stager = HostStager(store, **({name: workers} if name else {}))
+    for attr in ("workers", "num_workers", "max_workers"):
+        value = getattr(stager, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return stager, value
+    pool = getattr(stager, "_pool", None)  # the one-worker stager's executor
+    return stager, int(getattr(pool, "_max_workers", 1))
 
 
 @dataclass
