@@ -154,3 +154,31 @@ def test_cli_reports_every_checked_backend(tmp_path):
     assert set(rep.check) == {"torch", "triton"} and rep.check["torch"]["identical"]
     assert rep.check["triton"]["positions_compared"] == rep.check["torch"]["positions_compared"] > 0
     assert rep.check["triton"]["max_rel_diff"] < 1e-4  # fp32 on the CPU
+
+
+def test_timed_layers_runs_the_last_k_layers_and_scales_the_time(tmp_path):
+    """timed_layers = 1 of 4: each step's forward runs one layer (the last, so it has its input norm) and the
+    step is charged its measured time x 4; the recorded outputs are those of the full engine."""
+    cfg = sr.validate(sr.SimConfig(model="tiny", layers=4, adapters=3, slots=3, ranks="4", requests=4, rate=math.inf,
+                                   input_len="3:9", output_len="1:3", chunk=8, max_batch_tokens=32, device="cpu",
+                                   backend="torch", check=False, cache_dir=str(tmp_path), timed_layers=1))
+    engine = sr.make_engine(cfg, sr.adapter_folders(cfg))
+    layers_run, seen = set(), []
+    forward, linear = engine.model.forward, engine.model._linear
+
+    def spy(ids, info, pool, layers=None):
+        seen.append(layers)
+        return forward(ids, info, pool, layers)
+
+    def spy_linear(pool, layer, group, x, info):
+        layers_run.add(layer)
+        return linear(pool, layer, group, x, info)
+
+    engine.model.forward, engine.model._linear = spy, spy_linear
+    engine.timer.timed = lambda fn, gate, stream: (0.5e-3, fn())
+    try:
+        res = simulate(sr.make_trace(cfg, 3), sr.scheduler_config(cfg, "oracle"), engine)
+    finally:
+        engine.close()
+    assert set(seen) == {1} and layers_run == {3}
+    assert res.busy_s == pytest.approx(res.steps * 2e-3)

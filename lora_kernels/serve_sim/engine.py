@@ -11,9 +11,10 @@ issued through `AdapterLoader.load_async(packed=...)` in issue order, once the h
 the next step is queued (the scheduler has already placed the load in simulated time; waiting here for
 a read is real time only, never on the clock).
 
-`timed_layers` (None: all) runs only the first k of the model's L layers in each step and charges the
+`timed_layers` (None: all) runs only the last k of the model's L layers in each step and charges the
 measured time x L/k: every layer has the same shapes and kernels, so this estimates the full step in k/L
 of the device time (the bench reports how close the estimate is, step by step, against all L layers).
+The recorded outputs (layer 0's LoRA output, recomputed after the step) do not depend on it.
 Loads always copy every layer. On the CPU, steps and copies are timed with the thread's CPU time.
 """
 

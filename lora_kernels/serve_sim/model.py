@@ -42,10 +42,13 @@ class LinearStack:
         return out
 
     def forward(self, ids: torch.Tensor, info, pool: GpuAdapterPool, layers: int | None = None) -> torch.Tensor:
-        """The hidden states after the first `layers` layers (None: all) for token ids `ids` (one per row)."""
+        """The hidden states after every layer for token ids `ids` (one per row). With `layers` = k below the
+        model's L, only the last k layers run, on the embeddings (a step-time sample: layer 0 alone would
+        lack the input norm that every other layer has)."""
         h = self.embed[ids]
         inter = self.spec.intermediate
-        for layer in range(self.spec.layers if layers is None else layers):
+        total = self.spec.layers
+        for layer in range(total) if layers is None or layers >= total else range(total - layers, total):
             x = h if layer == 0 else self._rms(h)
             qkv = self._linear(pool, layer, "qkv_proj", x, info)
             h = h + self._linear(pool, layer, "o_proj", qkv[:, : self.q_dim].contiguous(), info)
