@@ -9,6 +9,6 @@ kernels, batch-info builder and adapter loader under three adapter-loading polic
     model.py      the model: linear layers + apply_lora;  gate.py: step timing;  records.py: output check
     stats.py      ratios to the oracle, reductions vs blocking, median + bootstrap CI over seeds
     folders.py    random PEFT adapter folders in a cache directory
-    metrics.py    TTFT / E2E / throughput / stall figures;  plot.py: load plot with CI bands, timelines
+    metrics.py    TTFT / E2E / throughput / stall figures of a run;  plot.py: load plot with CI bands, timelines
     run.py        configuration, validation and the grid of runs
 """
