@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CUDA_HOME ?= /usr/local/cuda
 export CUDA_HOME
 TORCH_PIN ?= torch==2.14.1
-DEV_DEPS := numpy pytest safetensors ninja pybind11 "peft>=0.13" "transformers>=4.45" matplotlib
+DEV_DEPS := numpy tqdm pytest safetensors ninja pybind11 "peft>=0.13" "transformers>=4.45" matplotlib
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' 2>/dev/null)
 
 .PHONY: demo test serve-sim bench clean

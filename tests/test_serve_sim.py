@@ -280,10 +280,9 @@ def test_host_hit_skips_the_read_and_reads_are_charged_fifo():
     trace = [Request(i, 0.0, a, 4, 1, tok[:4]) for i, a in enumerate([0, 1])]
     cfg = SchedulerConfig("blocking", num_slots=2, max_running=2, max_batch_tokens=16, chunk=16)
     res = simulate(trace, cfg, TieredEngine([10, 30], cfg, host_slots=2))
-    lanes = [t for t in res.timeline if t[0] != "compute"]
-    assert [(lane, kind) for lane, _, _, kind in lanes] == [("host", "read"), ("copy", "load")] * 2
-    times = [t for _, s, e, _ in lanes for t in (s, e)]
-    assert times == pytest.approx([0, 5e-3, 5e-3, 6e-3, 5e-3, 10e-3, 10e-3, 13e-3])
+    host = [(s, e) for lane, s, e, kind in res.timeline if lane == "host" and kind == "read"]
+    copy = [(s, e) for lane, s, e, kind in res.timeline if lane == "copy" and kind == "load"]
+    assert [t for se in host + copy for t in se] == pytest.approx([0, 5e-3, 5e-3, 10e-3, 5e-3, 6e-3, 10e-3, 13e-3])
     assert res.requests[0].first_token_at == pytest.approx(13e-3 + 1e-3 + 8e-5)
 
 
@@ -300,7 +299,7 @@ def test_scheduler_config_rejects():
 
 TINY = dict(model="tiny", layers=1, adapters=5, slots=2, ranks="4,8,16", rate=400.0, requests=14,
             input_len="3:20", output_len="1:5", chunk=8, max_running=4, max_batch_tokens=24, device="cpu",
-            backend="torch", sample="all", host_budget="50%")  # ~2.5 of 5 adapters in host memory, the rest on disk
+            backend="torch", sample="all", host_budget="50%", seeds=1)  # ~2.5 of 5 adapters in host memory, the rest on disk
 
 
 @pytest.fixture(scope="module")
@@ -311,11 +310,13 @@ def cpu_report(tmp_path_factory):
 
 def test_outputs_identical_across_policies(cpu_report):
     chk = cpu_report.check["torch"]
-    assert chk["identical"] and chk["requests"] == 14 and chk["max_rel_diff"] == 0.0
-    assert chk["positions_compared"] == 2 * sum(r.req.num_positions for r in cpu_report.results["blocking"].requests)
-    assert all(res.loads > 0 and res.host_reads > 0 for res in cpu_report.results.values())
-    assert cpu_report.results["blocking"].evictions > 0  # 5 adapters over 2 slots: slots were reused
-    blocking = cpu_report.results["blocking"]
+    assert chk["identical"] and chk["requests"] == 14 and chk["max_rel_diff"] == 0.0 == chk["max_abs_diff"]
+    results = cpu_report.results["uniform"]
+    assert chk["policies"] == list(POLICIES)
+    assert chk["positions_compared"] == 3 * sum(r.req.num_positions for r in results["blocking"].requests)
+    assert all(res.loads > 0 and res.host_reads > 0 for res in results.values())
+    assert results["blocking"].evictions > 0  # 5 adapters over 2 slots: slots were reused
+    blocking = results["blocking"]
     assert blocking.step_stall_s >= blocking.host_read_s > 0  # blocking waits for its folder reads in the step
     assert cpu_report.host["budget_adapters"] == pytest.approx(2.5)
 
@@ -376,7 +377,7 @@ def test_recorded_lora_outputs_match_float64_reference(cpu_report):
     group = spec.group("qkv_proj")
     rec = cpu_report.records["overlap+prefetch"]
     checked = 0
-    for r in cpu_report.results["overlap+prefetch"].requests:
+    for r in cpu_report.results["uniform"]["overlap+prefetch"].requests:
         w = load_peft_adapter(paths[r.req.adapter], spec)
         a, b = w.lora_a[(0, "qkv_proj")].double(), w.lora_b[(0, "qkv_proj")].double()
         for pos, row in rec.rows["torch"][r.req.rid].items():
@@ -385,7 +386,7 @@ def test_recorded_lora_outputs_match_float64_reference(cpu_report):
                              for i, (lo, hi) in enumerate(zip(group.slice_offsets, group.slice_offsets[1:]))])
             assert float((row.double() - ref).norm() / ref.norm()) < 1e-5
             checked += 1
-    assert checked == sum(r.req.num_positions for r in cpu_report.results["blocking"].requests)
+    assert checked == sum(r.req.num_positions for r in cpu_report.results["uniform"]["blocking"].requests)
 
 
 def test_check_detects_a_wrong_adapter(tmp_path, monkeypatch):
@@ -415,7 +416,7 @@ def test_check_detects_a_wrong_adapter(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_mod.ModelEngine, "reset", reset)
     monkeypatch.setattr(engine_mod.ModelEngine, "issue_load", faulty)
     rep = run_sim(cfg)
-    users = {r.req.rid for r in rep.results["blocking"].requests if r.req.adapter == 2}
+    users = {r.req.rid for r in rep.results["uniform"]["blocking"].requests if r.req.adapter == 2}
     assert users, "the trace must use adapter 2"
     chk = rep.check["torch"]
     assert not chk["identical"] and chk["mismatched_requests"] == len(users)
@@ -470,11 +471,29 @@ def test_cli_adapter_dir_with_too_large_rank(capsys, tmp_path):
 
 def test_cli_json_run(capsys, tmp_path):
     code, out, err = _cli(capsys, "--device", "cpu", "--backend", "torch", "--layers", "1", "--adapters", "4",
-                          "--slots", "2", "--requests", "8", "--rate", "200", "--input-len", "4:20",
+                          "--slots", "2", "--requests", "8", "--rate", "200", "--input-len", "4:20", "--seeds", "2",
                           "--output-len", "2:4", "--chunk", "8", "--max-batch-tokens", "32", "--cache-dir",
                           str(tmp_path), "--json")
     assert code == 0, err
+    assert err == ""  # no progress bar under --json
     rep = json.loads(out)
-    assert [p["policy"] for p in rep["policies"]] == list(POLICIES)
-    assert rep["check"]["torch"]["identical"] and rep["policies"][0]["requests"] == 8
-    assert set(rep["vs_blocking"]) == {"overlap", "overlap+prefetch"}
+    assert [(r["seed"], r["policy"]) for r in rep["runs"]] == [(s, p) for s in (0, 1) for p in POLICIES]
+    assert rep["check"]["torch"]["identical"] and rep["runs"][0]["requests"] == 8 and rep["capacity"] == {}
+    by = {s["policy"]: s for s in rep["stats"]}
+    assert set(by) == set(POLICIES) and all(s["seeds"] == 2 for s in by.values())
+    assert by["oracle"]["ttft_p50_x"]["median"] == 1.0 and by["blocking"]["ttft_p50_red"]["median"] == 0.0
+
+
+def test_cli_loads_table_and_plot(capsys, tmp_path):
+    """Default mode: capacity measured, three load levels, the table of ratios to the oracle with CIs, pictures."""
+    plot = tmp_path / "serve.png"
+    code, out, err = _cli(capsys, "--device", "cpu", "--backend", "torch", "--layers", "1", "--adapters", "4",
+                          "--slots", "2", "--requests", "10", "--input-len", "4:20", "--seeds", "2", "--dist",
+                          "zipf:1.5,distinct", "--output-len", "2:4", "--chunk", "8", "--max-batch-tokens", "32",
+                          "--cache-dir", str(tmp_path), "--plot", str(plot))
+    assert code == 0, err
+    for dist in ("zipf:1.5", "distinct"):
+        assert f"{dist}: capacity" in out
+    assert out.count("overlap+prefetch") >= 6 and "x oracle" in out and "identical" in out
+    assert plot.stat().st_size > 10_000
+    assert (tmp_path / "serve_timeline_zipf15.png").is_file() and (tmp_path / "serve_timeline_distinct.png").is_file()

@@ -15,6 +15,11 @@ Rules (DESIGN.md §6):
 - at most `max_inflight` loads are in flight at once (those already loading count), so far-ahead
   prefetches do not queue in front of loads the batch needs soon on the one copy stream.
 
+When to call it: at every scheduler step, and also when a request arrives (between steps). The host stage
+and the copy need neither the GPU nor a step boundary, so a load planned at the arrival starts up to a
+step earlier; serve-sim's overlap+prefetch does this (`Scheduler.on_arrival`), and in a cold-start trace
+most loads are first uses, which nothing can plan before the request arrives.
+
 The overlap rule lives in the scheduler: a request whose adapter is still loading stays waiting and does
 not stall the batch; it joins the first step after `AdapterLoader.is_ready` says so (`split_ready`).
 """

@@ -1,24 +1,102 @@
-"""The serve-sim picture: per policy, a timeline of the compute stream, the copy engine and the host-stage
-worker over one window of the run, and the CDFs of TTFT and E2E latency. matplotlib is imported only here."""
+"""The serve-sim pictures. `plot_stats`: each policy's TTFT p50 / p99 and E2E p50 over the oracle's, and its
+reductions against blocking, against the load level, median over seeds with 95% CI bands, one column per
+popularity. `plot`: per policy, a timeline of the compute stream, the copy engine and the host-stage workers
+over one window of one run, and the CDFs of TTFT and E2E latency. matplotlib is imported only here."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 
+POLICY_COLORS = {"blocking": "#d62728", "overlap": "#1f77b4", "overlap+prefetch": "#2ca02c", "oracle": "#555555"}
+PANELS = (("ttft_p50_x", "TTFT p50 / oracle's"), ("ttft_p99_x", "TTFT p99 / oracle's"),
+          ("e2e_p50_x", "E2E p50 / oracle's"), ("ttft_p50_red", "TTFT p50 change vs blocking"),
+          ("e2e_p50_red", "E2E p50 change vs blocking"))
+
 COLORS = {"prefill": "#3b6fb6", "decode": "#9cc3e6", "stall": "#d62728", "load": "#f0a030", "read": "#7f7f7f"}
-LANES = (("compute", "GPU"), ("copy", "copy"), ("host", "host read"))  # top to bottom within a policy
+LANES = (("compute", "GPU"), ("copy", "copy"), ("host", "host stages"))  # top to bottom within a policy
 
 
-def plot_data(report) -> dict:
-    """What the picture needs from a `run.Report`, as plain JSON-able data (bench results are re-plotted from it)."""
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(f"--plot needs matplotlib (pip install matplotlib): {e}") from None
+    return matplotlib, plt
+
+
+def plot_data(report, dist: str) -> dict:
+    """What the timeline picture needs from a `run.Report` (the run of `dist` it kept), as plain JSON-able data
+    (bench results are re-plotted from it)."""
     c = report.config
+    results = report.results[dist]
+    w = report.shown[dist]
+    load = "" if w["load"] is None else f"load {w['load']:g} = "
     title = (f"{c.model} x{c.spec().layers} layers, {len(report.adapter_ranks)} adapters over {c.slots} slots, "
-             f"{c.dist}, {c.rate:g} req/s ({c.device}, {c.backend})")
+             f"{dist}, {load}{w['rate']:.3g} req/s, seed {w['seed']} ({c.device}, {c.backend})")
     return {"title": title, "policies": {
         name: {"timeline": [list(t) for t in res.timeline],
                "ttft_ms": [1e3 * (r.first_token_at - r.req.arrival) for r in res.requests],
                "e2e_ms": [1e3 * (r.finished_at - r.req.arrival) for r in res.requests]}
-        for name, res in report.results.items()}}
+        for name, res in results.items()}}
+
+
+def plot_stats(stats: list[dict], path: str, title: str = "") -> None:
+    """Writes the load plot of `stats.summarize_runs(...)` output to `path`."""
+    _, plt = _pyplot()
+    dists = list(dict.fromkeys(s["dist"] for s in stats))
+    fig, axes = plt.subplots(len(PANELS), len(dists), figsize=(5.5 * len(dists), 2.6 * len(PANELS)), squeeze=False)
+    for j, dist in enumerate(dists):
+        rows = [s for s in stats if s["dist"] == dist and s["load"] is not None and math.isfinite(s["load"])]
+        for i, (key, label) in enumerate(PANELS):
+            ax = axes[i][j]
+            for policy in dict.fromkeys(s["policy"] for s in rows):
+                pts = sorted((s["load"], s[key]) for s in rows if s["policy"] == policy)
+                if policy == "oracle" and key.endswith("_x") or policy == "blocking" and key.endswith("_red"):
+                    continue  # 1.0 / 0 by definition
+                x = [p for p, _ in pts]
+                scale = -100 if key.endswith("_red") else 1  # reductions shown as changes in %
+                med = [scale * v["median"] for _, v in pts]
+                lo = [scale * v["lo"] for _, v in pts]
+                hi = [scale * v["hi"] for _, v in pts]
+                color = POLICY_COLORS.get(policy)
+                ax.plot(x, med, "o-", color=color, label=policy, markersize=4)
+                ax.fill_between(x, lo, hi, color=color, alpha=0.2, linewidth=0)
+            if key.endswith("_x"):
+                ax.axhline(1.0, color="#555555", linewidth=0.8, linestyle="--")
+            ax.set_ylabel(label + (" (%)" if key.endswith("_red") else ""), fontsize=8)
+            ax.grid(alpha=0.3)
+            if i == 0:
+                ax.set_title(dist, fontsize=10)
+            if i in (0, 3):  # the policies drawn differ: ratios omit the oracle, changes omit blocking
+                ax.legend(fontsize=7)
+            if i == len(PANELS) - 1:
+                ax.set_xlabel("load (fraction of blocking's capacity)")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_report(report, path: str) -> list[str]:
+    """The load plot at `path` and one timeline picture per popularity beside it; returns the paths written."""
+    c = report.config
+    title = (f"{c.model} x{c.spec().layers} layers, {len(report.adapter_ranks)} adapters over {c.slots} slots; "
+             f"median and 95% CI over {c.seeds} seeds ({c.device}, {c.backend})")
+    plot_stats(report.stats, path, title)
+    written = [path]
+    stem = Path(path)
+    for dist in report.results:
+        out = str(stem.with_name(f"{stem.stem}_timeline_{''.join(ch for ch in dist if ch.isalnum())}{stem.suffix}"))
+        plot(plot_data(report, dist), out)
+        written.append(out)
+    return written
 
 
 def _window(timeline, steps: int = 40) -> tuple[float, float]:
@@ -35,20 +113,11 @@ def _window(timeline, steps: int = 40) -> tuple[float, float]:
     return max(start - 0.1 * width, 0.0), start + 0.9 * width
 
 
-def plot_report(report, path: str) -> None:
-    plot(plot_data(report), path)
-
-
 def plot(data: dict, path: str) -> None:
     """Writes the picture of `plot_data(...)` output to `path`."""
-    try:
-        import matplotlib
+    matplotlib, plt = _pyplot()
+    import matplotlib.ticker
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError as e:
-        raise ImportError(f"--plot needs matplotlib (pip install matplotlib): {e}") from None
     runs = data["policies"]
     policies = list(runs)
     fig = plt.figure(figsize=(12, 3 + 1.5 * len(policies)))

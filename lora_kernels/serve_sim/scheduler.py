@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill and decode, and the three adapter-loading policies.
+"""Continuous batching with chunked prefill and decode, the three adapter-loading policies and their ceiling.
 
 Each step (decided at simulated time `now`, when the previous step has finished):
 
@@ -18,8 +18,15 @@ Each step (decided at simulated time `now`, when the previous step has finished)
                        cold loads and one more adapter) are read from disk into host memory ahead (a
                        host-only stage; one already there is touched, so LRU keeps it), and their GPU
                        load is later only the copy.
+     oracle            as blocking, but the simulator charges its loads nothing (they still run, so the
+                       outputs are the same): the ceiling of what hiding loads can give.
    A request whose adapter has no slot (all held by running or nearer requests) waits under every
    policy; requests behind it may go ahead.
+
+overlap+prefetch also plans ahead when a request arrives (`on_arrival`, called by the simulator at the
+arrival's time, between step boundaries): a serving engine's front end sees the request before the next
+scheduler step, and the host stage and the copy need neither the GPU nor a step boundary, so loads and
+host-only stages for the waiting queue start then instead of at the next boundary.
    "On demand" means: the requests this step would admit if every adapter were resident.
 
 A load is the whole path: disk -> host memory (the host stage, skipped when the host store holds the
@@ -37,7 +44,8 @@ from dataclasses import dataclass, field
 from lora_kernels.adapters.prefetch import first_need, plan_prefetch
 from lora_kernels.serve_sim.trace import Request
 
-POLICIES = ("blocking", "overlap", "overlap+prefetch")
+POLICIES = ("blocking", "overlap", "overlap+prefetch", "oracle")
+BLOCKING = ("blocking", "oracle")  # policies whose steps wait for their loads (free ones for the oracle)
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,24 @@ class Scheduler:
                 plan.batch.append((r, n))
                 budget -= n
         in_use = {r.adapter for r in self.running if r.adapter is not None}
-        blocking = cfg.policy == "blocking"
+        self._admit(now, cache, plan, budget, in_use)
+        if cfg.policy == "overlap+prefetch":
+            self._prefetch(now, cache, plan, in_use)
+        cache.touch(r.adapter for r, _ in plan.batch)
+        return plan
+
+    def on_arrival(self, now: float, cache: AdapterState) -> StepPlan:
+        """Loads and host-only stages that overlap+prefetch starts when a request arrives at `now`, between
+        step boundaries (no batch; running requests' adapters are protected). Empty for other policies."""
+        plan = StepPlan()
+        if self.cfg.policy == "overlap+prefetch":
+            self._prefetch(now, cache, plan, {r.adapter for r in self.running if r.adapter is not None})
+        return plan
+
+    def _admit(self, now: float, cache: AdapterState, plan: StepPlan, budget: int, in_use: set) -> None:
+        """Waiting requests join `plan`, first come first served, under the policy's loading rule."""
+        cfg = self.cfg
+        blocking = cfg.policy in BLOCKING
         seats = cfg.max_running - len(self.running)
         virt_budget, virt_seats = budget, seats  # as if every adapter were resident: bounds on-demand loads
         admitted: list[int] = []
@@ -192,19 +217,23 @@ class Scheduler:
             r = self.waiting.pop(i)
             r.admitted_at = now
             self.running.append(r)
-        if cfg.policy == "overlap+prefetch" and self.waiting:
-            waiting = self.waiting if cfg.lookahead is None else self.waiting[: cfg.lookahead]
-            p = plan_prefetch([r.adapter for r in waiting], resident=cache.ready_at.keys(),
-                              loading=cache.loading(now), in_use=in_use, num_slots=cache.num_slots,
-                              lru=list(cache.lru), max_inflight=cfg.max_prefetch)
-            for a, v in p:
-                cache.start_load(a, v)
-                plan.loads.append((a, v))
-                plan.waits_on_load = True
-            if cache.host is not None:
-                self._stage_ahead(waiting, cache, plan)
-        cache.touch(r.adapter for r, _ in plan.batch)
-        return plan
+
+    def _prefetch(self, now: float, cache: AdapterState, plan: StepPlan, in_use: set) -> None:
+        """GPU loads ahead for the waiting queue (nearest need first, `max_prefetch` in flight), then host-only
+        stages for the next adapters it needs that hold no slot (with a host tier)."""
+        cfg = self.cfg
+        if not self.waiting:
+            return
+        waiting = self.waiting if cfg.lookahead is None else self.waiting[: cfg.lookahead]
+        p = plan_prefetch([r.adapter for r in waiting], resident=cache.ready_at.keys(),
+                          loading=cache.loading(now), in_use=in_use, num_slots=cache.num_slots,
+                          lru=list(cache.lru), max_inflight=cfg.max_prefetch)
+        for a, v in p:
+            cache.start_load(a, v)
+            plan.loads.append((a, v))
+            plan.waits_on_load = True
+        if cache.host is not None:
+            self._stage_ahead(waiting, cache, plan)
 
     def _stage_ahead(self, waiting: list[RequestState], cache: AdapterState, plan: StepPlan) -> None:
         """Host-tier prefetch: adapters the queue needs soonest that hold no GPU slot, within a byte window

@@ -8,13 +8,18 @@ The clock (documented in bench/RESULTS.md and the CLI output):
   and reported apart, off the clock: it models an engine that prepares step n+1 while step n runs.
 - Loads have two stages, each really run and measured, each placed on its own simulated resource:
   the host stage (PEFT folder -> packed host buffer: file read, parse, pack; skipped when the host
-  store holds the adapter) on one host worker, FIFO, charged its wall time measured on the real
-  worker thread; then the H2D copy on one copy engine, FIFO, charged its measured time (CUDA events
-  on the loader's stream; CPU time of the synchronous copy on the CPU). A load issued at t is ready
-  at the end of its copy, which starts when both its host stage and the copy engine are done; the
-  scheduler sees it ready at the first step boundary after that. A host-only stage (prefetch into
-  host memory) occupies the host worker alone; a later load of that adapter starts its copy no
-  earlier than that stage's end.
+  store holds the adapter) on the first free of the engine's `host_workers` host workers, FIFO in
+  issue order, charged its wall time measured on the real worker thread; then the H2D copy on one
+  copy engine, FIFO in the order the host stages end, charged its measured time (CUDA events on the
+  loader's stream; CPU time of the synchronous copy on the CPU). A load issued at t is ready at the
+  end of its copy, which starts when both its host stage and the copy engine are done; the scheduler
+  sees it ready at the first step boundary after that. A host-only stage (prefetch into host memory)
+  occupies a host worker alone; a later load of that adapter starts its copy no earlier than that
+  stage's end. Loads are issued at step boundaries, and by overlap+prefetch also at each request's
+  arrival (`Scheduler.on_arrival`).
+- oracle: scheduled as blocking, its loads really run (same slots, same outputs) but take no simulated
+  time and occupy no resource: the ceiling of what hiding loads can give, which every policy is
+  reported against.
 - blocking: a step that needs a load starts when the load is ready (host stage and copy both in the
   critical path); the wait is "GPU stalled on loads". overlap policies: steps never wait for loads;
   time the GPU idles while the only runnable requests wait for their adapters is counted as stalled.
@@ -55,6 +60,8 @@ class Engine(Protocol):
 
     def load_seconds(self, handle) -> LoadTiming: ...  # measured times of a load or stage (waits for it)
 
+    # optional: `host_workers` (int, default 1), the host-stage threads the engine runs
+
     def host_resident(self) -> set | None: ...  # adapters in host memory now (None: no host tier)
 
     def host_budget(self) -> tuple[float, Sequence[int]] | None: ...  # (capacity, bytes per adapter); None: no tier
@@ -87,6 +94,53 @@ class SimResult:
         return max(r.finished_at for r in self.requests) - min(r.req.arrival for r in self.requests)
 
 
+class _Resources:
+    """The simulated host workers and copy engine: where each measured host stage and copy is placed."""
+
+    def __init__(self, engine: Engine, cache: AdapterState, res: SimResult, free: bool):
+        self.engine, self.cache, self.res, self.free = engine, cache, res, free
+        self.workers = [0.0] * max(1, int(getattr(engine, "host_workers", 1)))  # when each worker is free
+        self.copy_free = 0.0
+        self.host_done: dict = {}  # adapter -> simulated end of the host stage that last read it
+        self.pending: list = []  # (adapter, handle, issue time, is a GPU load) of loads/stages not yet measured
+
+    def issue(self, plan: StepPlan, at: float) -> None:
+        for a, v in plan.loads:
+            self.pending.append((a, self.engine.issue_load(a, v), at, True))
+            self.res.loads += 1
+            self.res.evictions += v is not None
+        for a in plan.stages:
+            self.pending.append((a, self.engine.issue_stage(a), at, False))
+
+    def settle(self) -> None:
+        """Measures the pending loads and stages and places them: host stages FIFO in issue order on the
+        first free worker, then copies FIFO on the copy engine in the order their host stages end. The
+        oracle's run really but take no simulated time."""
+        res, timed = self.res, [(a, self.engine.load_seconds(h), t, is_load) for a, h, t, is_load in self.pending]
+        for a, t, issued, is_load in timed:
+            if not t.cold:
+                continue
+            res.host_reads += 1
+            res.host_read_s += t.host_s
+            res.staged += not is_load
+            k = min(range(len(self.workers)), key=self.workers.__getitem__)
+            start = issued if self.free else max(issued, self.workers[k])
+            end = start if self.free else start + t.host_s
+            self.workers[k] = max(self.workers[k], end)
+            self.host_done[a] = end
+            res.timeline.append(("host", start, end, "read"))
+        loads = sorted((max(issued, self.host_done.get(a, issued)), i, a, t)
+                       for i, (a, t, issued, is_load) in enumerate(timed) if is_load)
+        for ready, _, a, t in loads:
+            start = ready if self.free else max(ready, self.copy_free)
+            end = start if self.free else start + t.h2d_s
+            self.copy_free = max(self.copy_free, end)
+            self.cache.ready_at[a] = end
+            res.timeline.append(("copy", start, end, "load"))
+        self.pending.clear()
+        self.cache.host = self.engine.host_resident()
+
+
 def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
              progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Replays `trace` under `cfg.policy` through `engine`; every request runs to completion."""
@@ -97,45 +151,23 @@ def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
     cache.host = engine.host_resident()
     states = [RequestState(r) for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
     res = SimResult(cfg.policy, states)
-    pending: list = []  # (adapter, handle, issue time, is a GPU load) of loads/stages not yet measured
-    host_done: dict = {}  # adapter -> simulated end of the host stage that last read it
-    now, copy_free, host_free, nxt, done = 0.0, 0.0, 0.0, 0, 0
+    rs = _Resources(engine, cache, res, free=cfg.policy == "oracle")
+    now, nxt, done = 0.0, 0, 0
     wall0 = time.perf_counter()
-
-    def settle_loads():
-        nonlocal copy_free, host_free
-        for a, handle, issued, is_load in pending:
-            t = engine.load_seconds(handle)
-            if t.cold:
-                start = max(issued, host_free)
-                host_free = host_done[a] = start + t.host_s
-                res.host_reads += 1
-                res.host_read_s += t.host_s
-                res.staged += not is_load
-                res.timeline.append(("host", start, host_free, "read"))
-            if is_load:
-                start = max(issued, host_done.get(a, issued), copy_free)
-                copy_free = start + t.h2d_s
-                cache.ready_at[a] = copy_free
-                res.timeline.append(("copy", start, copy_free, "load"))
-        pending.clear()
-        cache.host = engine.host_resident()
-
     while done < len(states):
         while nxt < len(states) and states[nxt].req.arrival <= now:
             sched.add(states[nxt])
+            t_arrival = states[nxt].req.arrival
+            rs.issue(sched.on_arrival(t_arrival, cache), t_arrival)
             nxt += 1
+        if rs.pending:  # loads started at arrivals: placed now, so a load ready by `now` is usable now
+            rs.settle()
         t0 = time.perf_counter()
         plan = sched.schedule(now, cache)
         res.prep_s += time.perf_counter() - t0
-        for a, v in plan.loads:
-            pending.append((a, engine.issue_load(a, v), now, True))
-            res.loads += 1
-            res.evictions += v is not None
-        for a in plan.stages:
-            pending.append((a, engine.issue_stage(a), now, False))
+        rs.issue(plan, now)
         if not plan.batch:
-            settle_loads()
+            rs.settle()
             waits = [t for a, t in cache.ready_at.items() if t > now]
             nexts = waits + ([states[nxt].req.arrival] if nxt < len(states) else [])
             if not nexts:
@@ -149,7 +181,7 @@ def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
             now = t
             continue
         timing = engine.run_step(plan)
-        settle_loads()
+        rs.settle()
         res.prep_s += timing.prep_s
         start = max([now] + [cache.ready_at[r.adapter] for r, _ in plan.batch if r.adapter is not None])
         if start > now:
