@@ -105,6 +105,18 @@ def test_generate_matches_peft_left_padding(arch):
     assert torch.equal(mlm.generate(adapter_names=ROWS, **kw), pm.generate(adapter_names=ROWS, **kw))
 
 
+def test_triton_backend():
+    """The Triton kernels through the integration (the interpreter on a CPU box): sorted segments, odd dims."""
+    pytest.importorskip("triton")
+    device = "cuda" if HAS_CUDA else "cpu"
+    pm = add_adapters(tiny_base("llama", device=device))
+    ids, mask = inputs(seq=5, device=device)
+    with torch.no_grad():
+        ref = pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits
+    out = enable_multi_lora(pm, backend="triton")(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits
+    assert rel(out, ref) <= 1e-5
+
+
 def test_peft_folders_and_more_adapters_than_slots(tmp_path):
     base = tiny_base("llama")
     pm = add_adapters(copy.deepcopy(base))
