@@ -81,7 +81,8 @@ def check_against_peft(mlm, model, adapters, batches, pad_id, args):
         same += (ref == out).sum().item()
         total += ref.numel()
     print(f"PEFT's mixed-batch generate agrees on {100 * same / total:.1f}% of tokens")
-    if same < total * (1.0 if model.dtype == torch.float32 else 0.9):  # bf16 may flip a near-tie
+    exact = model.dtype == torch.float32 and args.device == "cpu"  # elsewhere rounding may flip a near-tie
+    if same < total * (1.0 if exact else 0.9):
         raise SystemExit("mismatch with PEFT's generate")
 
 

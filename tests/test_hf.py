@@ -177,6 +177,10 @@ def test_errors(tmp_path):
         bad = peft.get_peft_model(tiny_base("llama"), peft.LoraConfig(**kw), adapter_name="bad")
         with pytest.raises(ValueError, match=msg):
             enable_multi_lora(bad)
+    merged = add_adapters(tiny_base("llama"), {"alpha": ADAPTERS["alpha"]})
+    merged.merge_adapter()
+    with pytest.raises(ValueError, match="merged adapters.*unmerge_adapter"):
+        enable_multi_lora(merged)
     ia3 = peft.get_peft_model(tiny_base("llama"), peft.IA3Config(target_modules=["k_proj", "down_proj"],
                                                                    feedforward_modules=["down_proj"]))
     with pytest.raises(ValueError, match="PEFT IA3 adapter; only plain LoRA"):

@@ -88,6 +88,9 @@ def collect_modules(name: str, peft_model, targets: dict[int, str]) -> dict[tupl
         if name in getattr(m, "lora_variant", {}) or getattr(m, "use_dora", {}).get(name, False):
             raise ValueError(f"adapter {name!r} uses a LoRA variant (DoRA or similar) on {mod_name}; only plain "
                              f"LoRA is supported")
+        if getattr(m, "merged_adapters", None):
+            raise ValueError(f"{mod_name} has merged adapters {m.merged_adapters}: the base weights include them; "
+                             f"call unmerge_adapter() first")
         if getattr(m, "lora_bias", {}).get(name, False):
             raise ValueError(f"adapter {name!r} has a LoRA bias on {mod_name}; not supported")
         layer, member = where.split(".")[1:]

@@ -15,8 +15,8 @@ Each row of the batch names its adapter (`"__base__"`: none, as in PEFT). What i
   and releases them when the call returns, so more adapters than slots just work.
 * The q/k/v/o/gate/up/down Linear modules of every decoder layer get an instance `forward` (the module tree
   and state_dict are unchanged; `remove()` restores them). Inside a call, the first member of a group called
-  with an input x (q_proj, gate_proj) runs the base Linears of the whole group on x once each, concatenates
-  them into the stacked output, and adds the LoRA delta of every row with one `apply_lora`; the other members
+  with an input x (q_proj, gate_proj) runs the base Linears of the whole group on x once each, each GEMM
+  writing its columns of the stacked output, and adds the LoRA delta of every row with one `apply_lora`; the other members
   (k_proj, v_proj, up_proj), called with the same x, return their column slice of that output. Outside a
   call (e.g. a PeftModel used directly) the modules behave as before.
 * One `LoRABatchInfo` per (batch, sequence length) of a call, built by `BatchInfoBuilder` from the rows'
@@ -92,7 +92,14 @@ def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
     if len(g.linears) == 1:
         out = F.linear(x2, g.linears[0].weight, g.linears[0].bias)
     else:
-        out = torch.cat([F.linear(x2, lin.weight, lin.bias) for lin in g.linears], dim=1)
+        # Each base Linear writes straight into its columns of the stacked output (a strided GEMM output: no
+        # concatenation pass over [rows, out_total], which would cost prefill as much as the LoRA itself).
+        out = torch.empty(x2.shape[0], g.offsets[-1], dtype=x2.dtype, device=x2.device)
+        for lin, lo, hi in zip(g.linears, g.offsets, g.offsets[1:]):
+            if lin.bias is None:
+                torch.mm(x2, lin.weight.t(), out=out[:, lo:hi])
+            else:
+                torch.addmm(lin.bias, x2, lin.weight.t(), out=out[:, lo:hi])
     apply_lora(x2, out, g.lora_a, g.lora_b, info, g.offsets, backend=rt.backend)
     if len(g.linears) > 1:
         g.x, g.out, g.unserved = x, out, (1 << len(g.linears)) - 1
