@@ -154,6 +154,8 @@ def test_outside_calls_and_remove():
     mlm.remove()
     with torch.no_grad():
         assert torch.equal(pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits, ref)
+    with pytest.raises(RuntimeError, match="removed"):
+        mlm(input_ids=ids, attention_mask=mask, adapter_names=ROWS)
 
 
 def test_errors(tmp_path):

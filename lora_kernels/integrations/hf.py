@@ -190,7 +190,7 @@ class MultiLoRAModel:
             self.store.register_path(n, p)
         self._names = set(names)
         self._rt = _Runtime(self.pool, backend, max_batch_tokens)
-        self._patched = []
+        self._patched, self._groups = [], []
         self._patch(layers)
 
     # -- adapters ------------------------------------------------------------------------------------------
@@ -224,6 +224,8 @@ class MultiLoRAModel:
         """Within it, every forward of `model` applies row i's adapter `adapter_names[i]` (BASE: none)."""
         if self._rt.slots is not None:
             raise RuntimeError("MultiLoRAModel calls do not nest")
+        if not self._patched:
+            raise RuntimeError("this MultiLoRAModel was removed from its model; call enable_multi_lora again")
         names = list(adapter_names)
         unknown = sorted({n for n in names if n not in self._names and n != BASE})
         if not names or unknown:
@@ -240,6 +242,8 @@ class MultiLoRAModel:
                 yield self
         finally:
             self._rt.slots, self._rt.infos = None, {}
+            for g in self._groups:  # nothing computed for this batch may serve another one
+                g.x = g.out = None
             self.loader.release(ids)
 
     def __call__(self, *args, adapter_names: Sequence[str], **kwargs):
@@ -266,6 +270,7 @@ class MultiLoRAModel:
                 lin = [base_linear(m, f"layers.{i}.{name}") for _, name, m in members]
                 a, b, offsets = self.pool.weights(i, gname)
                 g = _Group(lin, a, b, offsets)
+                self._groups.append(g)
                 for sl, _, m in members:
                     saved = m.__dict__.get("forward")
                     m.forward = functools.partial(_member_forward, self._rt, g, sl, m.forward)
