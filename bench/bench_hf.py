@@ -11,6 +11,8 @@ CUDA graphs, no torch.compile, the default sdpa attention):
   peft_single  PeftModel with one active adapter for the whole batch (set_adapter)
   lk_mixed     enable_multi_lora(peft_model, num_slots=32)(..., adapter_names=[...]): bf16 pool, the package's
                batch-info builder and apply_lora (backend auto)
+  lk_no_lora   the same with every row "__base__": the same calls and launches, no adapter weights read; its
+               overhead over base is the patched path's host and launch cost (a diagnostic)
 
 prefill_ms: one forward over the 32x128 prompt tokens filling the KV cache, logits of the last position only
 (logits_to_keep=1, as generate does); median wall time (synchronized). decode_ms: one decode step at a
@@ -34,6 +36,7 @@ import torch
 import common
 
 R, REQUESTS, PROMPT = 16, 32, 128
+BASE = "__base__"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -133,6 +136,10 @@ def run_shape(shape: str, counts: list[int], device: str, quick: bool) -> list[d
     pm.set_adapter("ad0")
     rows.append({"variant": "peft_single", "adapters": 1, **measure(pm, pm.generate, ids, mask, device, fast_reps,
                                                                        fast_steps)})
+    no_lora = [BASE] * REQUESTS
+    rows.append({"variant": "lk_no_lora", "adapters": 0, **measure(
+        lambda **kw: mlm(adapter_names=no_lora, **kw), lambda **kw: mlm.generate(adapter_names=no_lora, **kw), ids,
+        mask, device, fast_reps, fast_steps)})
     for n in counts:
         names = [f"ad{i % n}" for i in range(REQUESTS)]
         mixed = measure(lambda **kw: pm(adapter_names=names, **kw),
