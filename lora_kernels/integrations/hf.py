@@ -16,9 +16,9 @@ Each row of the batch names its adapter (`"__base__"`: none, as in PEFT). What i
 * The q/k/v/o/gate/up/down Linear modules of every decoder layer get an instance `forward` (the module tree
   and state_dict are unchanged; `remove()` restores them). Inside a call, the first member of a group called
   with an input x (q_proj, gate_proj) runs the base Linears of the whole group on x once each, each GEMM
-  writing its columns of the stacked output, and adds the LoRA delta of every row with one `apply_lora`; the other members
-  (k_proj, v_proj, up_proj), called with the same x, return their column slice of that output. Outside a
-  call (e.g. a PeftModel used directly) the modules behave as before.
+  writing its columns of the stacked output, and adds the LoRA delta of every row with one `apply_lora`;
+  the other members (k_proj, v_proj, up_proj), called with the same x, return their column slice of that
+  output. Outside a call (e.g. a PeftModel used directly) the modules behave as before.
 * One `LoRABatchInfo` per (batch, sequence length) of a call, built by `BatchInfoBuilder` from the rows'
   slots: batch*seq rows, one segment per request (`sort_by_adapter` when adapters repeat), reused by every
   module and, during `generate`, by every decode step.
