@@ -11,8 +11,9 @@ CUDA graphs, no torch.compile, the default sdpa attention):
   peft_single  PeftModel with one active adapter for the whole batch (set_adapter)
   lk_mixed     enable_multi_lora(peft_model, num_slots=32)(..., adapter_names=[...]): bf16 pool, the package's
                batch-info builder and apply_lora (backend auto)
-  lk_no_lora   the same with every row "__base__": the same calls and launches, no adapter weights read; its
-               overhead over base is the patched path's host and launch cost (a diagnostic)
+  lk_no_lora   the same with every row "__base__": the patched modules run but skip apply_lora (no row has an
+               adapter); its overhead over base is the patched path's own cost, and lk_mixed - lk_no_lora is what
+               the LoRA work (apply_lora's host time and kernels) adds (a diagnostic)
 
 prefill_ms: one forward over the 32x128 prompt tokens filling the KV cache, logits of the last position only
 (logits_to_keep=1, as generate does); median wall time (synchronized). decode_ms: one decode step at a

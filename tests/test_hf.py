@@ -88,6 +88,8 @@ def test_logits_match_peft_mixed_batch(arch):
     out = mlm(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits
     assert rel(out, ref) <= 1e-5
     assert torch.equal(out[1], base[1])  # a __base__ row is exactly the base model's
+    only_base = mlm(input_ids=ids, attention_mask=mask, adapter_names=[BASE] * len(ROWS)).logits
+    assert torch.equal(only_base, base)  # (no row with an adapter: apply_lora is skipped)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

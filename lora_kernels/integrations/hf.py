@@ -100,7 +100,8 @@ def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
                 torch.mm(x2, lin.weight.t(), out=out[:, lo:hi])
             else:
                 torch.addmm(lin.bias, x2, lin.weight.t(), out=out[:, lo:hi])
-    apply_lora(x2, out, g.lora_a, g.lora_b, info, g.offsets, backend=rt.backend)
+    if info is not None:
+        apply_lora(x2, out, g.lora_a, g.lora_b, info, g.offsets, backend=rt.backend)
     if len(g.linears) > 1:
         g.x, g.out, g.unserved = x, out, (1 << len(g.linears)) - 1
     return out
@@ -133,13 +134,14 @@ class _Runtime:
         self.infos: dict = {}
 
     def info_for(self, x: torch.Tensor):
-        """The LoRABatchInfo of x [batch, seq, in] (rows batch*seq, one segment per request), built once per shape."""
+        """The LoRABatchInfo of x [batch, seq, in] (rows batch*seq, one segment per request), built once per shape;
+        None when no row has an adapter (nothing to add: the base model alone runs)."""
         if x.dim() != 3:
             raise ValueError(f"expected the decoder's hidden states [batch, seq, in], got shape {tuple(x.shape)}")
         batch, seq = x.shape[0], x.shape[1]
-        info = self.infos.get((batch, seq))
-        if info is not None:
-            return info
+        key = (batch, seq)
+        if key in self.infos:
+            return self.infos[key]
         slots = self.slots
         if batch != len(slots):
             # generate() repeats each row for num_beams / num_return_sequences (repeat_interleave order).
@@ -151,8 +153,8 @@ class _Runtime:
             self.builder = b = BatchInfoBuilder(max(b.max_tokens, 2 * batch * seq), max(b.max_segments, 2 * batch),
                                                 self.pool.lora_ranks, self.pool.scalings)
         used = [s for s in slots if s >= 0]
-        info = b.build([seq] * batch, slots, sort_by_adapter=len(set(used)) < len(used))
-        self.infos[(batch, seq)] = info
+        info = b.build([seq] * batch, slots, sort_by_adapter=len(set(used)) < len(used)) if used else None
+        self.infos[key] = info
         return info
 
 
