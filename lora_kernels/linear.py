@@ -18,6 +18,9 @@ Modes (``mode=``, default "auto"):
 * ``delta``    shrink and expand both run on the side stream, into a separate delta of y's dtype,
                while the base runs; afterwards one elementwise ``y += delta``. Rounds the delta to y's
                dtype before the add (one more rounding than `apply_lora`).
+* ``fused``    the shrink, then one Triton GEMM whose epilogue adds the expand (`fused_gemm.py`): out is
+               written once, never re-read. `lora_linear` only, for batches without a permutation on CUDA
+               (or under TRITON_INTERPRET=1); otherwise, and for `lora_linear_with`, it runs ``overlap``.
 * ``auto``     the mode measured fastest for the batch's regime on this machine (`_linear_table.py`,
                written by ``bench/bench_layer.py --write-table``); on the CPU, ``serial``.
 
@@ -50,7 +53,7 @@ from lora_kernels.ops import _check_expand, _check_shrink, _check_tensor, apply_
 
 __all__ = ["MODES", "lora_linear", "lora_linear_with", "pick_mode"]
 
-MODES = ("auto", "serial", "overlap", "delta")
+MODES = ("auto", "serial", "overlap", "delta", "fused")
 
 
 class _Side:
@@ -155,7 +158,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
     bias: [out_total] or None; lora_a: [num_slots, S*R, in_dim]; lora_b: [num_slots, out_total, R];
     slice_offsets: host ints (0, …, out_total); out: [T, out_total] contiguous, not overlapping x
     (allocated when None). All of x's dtype and device. backend: the SGMV backend (as `apply_lora`);
-    mode: "auto" | "serial" | "overlap" | "delta". Returns y (= out when given).
+    mode: one of MODES (module docstring). Returns y (= out when given).
     """
     slice_offsets = tuple(slice_offsets)
     _check_lora(x, lora_a, lora_b, info, slice_offsets)
@@ -164,6 +167,14 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
         raise ValueError(f"weight has {weight.shape[0]} output rows (shape {tuple(weight.shape)}) but slice_offsets "
                          f"end at out_total={slice_offsets[-1]}")
     _check_y(out, x, lora_b, info, slice_offsets, "out")  # slice_offsets and lora_b against weight's out_total
+    mode = _resolve_mode(mode, x, lora_b)
+    if mode == "fused":
+        fused = _fused_gemm()
+        if fused is not None and fused.supports(x, weight, info, slice_offsets):
+            v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+            sgmv_shrink(x, lora_a, info, len(slice_offsets) - 1, out=v, backend=backend)
+            return fused.gemm_lora(x, weight, bias, v, lora_b, info, slice_offsets, out)
+        mode = "overlap"
     if bias is None:
         def base():
             return torch.mm(x, weight.t(), out=out)
@@ -189,13 +200,27 @@ def lora_linear_with(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
     return _run(lambda: base(x), x, lora_a, lora_b, info, slice_offsets, backend, mode, checked_out=False)
 
 
-def _run(base, x, lora_a, lora_b, info, slice_offsets, backend, mode, checked_out):
-    """Runs base() and adds the LoRA delta in the chosen mode; y is validated before any LoRA write."""
+def _resolve_mode(mode, x, lora_b) -> str:
     mode = mode or "auto"
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "auto":
-        mode = pick_mode(x.shape[0], lora_b.shape[2], x.device)
+    return pick_mode(x.shape[0], lora_b.shape[2], x.device) if mode == "auto" else mode
+
+
+def _fused_gemm():
+    """The fused GEMM module, or None where Triton cannot be imported."""
+    try:
+        from lora_kernels import fused_gemm
+    except ImportError:
+        return None
+    return fused_gemm
+
+
+def _run(base, x, lora_a, lora_b, info, slice_offsets, backend, mode, checked_out):
+    """Runs base() and adds the LoRA delta in the chosen mode; y is validated before any LoRA write."""
+    mode = _resolve_mode(mode, x, lora_b)
+    if mode == "fused":  # lora_linear took it where it can run; what reaches here runs overlapped
+        mode = "overlap"
     if mode == "serial":
         y = base()
         if not checked_out:

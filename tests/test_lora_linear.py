@@ -14,7 +14,7 @@ import lora_kernels as lk
 from cases import TOL, make_case, make_info, rel_err, rowloop_expand, rowloop_shrink
 from lora_kernels import linear
 
-MODES = ["serial", "overlap", "delta", "auto"]
+MODES = ["serial", "overlap", "delta", "fused", "auto"]
 
 
 def _layer(case, rng, bias: bool):
@@ -39,6 +39,8 @@ CPU_CASES = {  # name: make_case kwargs
     "qkv_permuted_padded": dict(seg_lens=(4, 1, 1, 6), slice_widths=(32, 8, 8), in_dim=56, permute=True,
                                 extra_rows=3),
     "gate_up_odd": dict(seg_lens=(7, 2), slice_widths=(19, 19), in_dim=33, max_rank=8),
+    # Row tiles spanning several segments and segments spanning tiles, 4 slices, rows past every segment.
+    "four_slices_long": dict(seg_lens=(20, 13, 1, 0, 9), slice_widths=(24, 8, 8, 16), in_dim=40, extra_rows=5),
 }
 
 
@@ -47,6 +49,8 @@ CPU_CASES = {  # name: make_case kwargs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CPU_CASES))
 def test_equals_linear_plus_apply_lora(name, dtype, mode, bias):
+    if mode == "fused" and dtype != torch.float32:
+        pytest.skip("bf16 tl.dot is wrong in Triton's CPU interpreter: the fused GEMM's bf16 runs on the GPU tests")
     rng = np.random.default_rng([len(name), dtype.itemsize, MODES.index(mode), bias])
     case = make_case(rng, dtype=dtype, **CPU_CASES[name])
     w, b = _layer(case, rng, bias)
@@ -60,7 +64,7 @@ def test_equals_linear_plus_apply_lora(name, dtype, mode, bias):
                           backend="torch")
     assert rel_err(got, plain) <= TOL[dtype]
     if dtype == torch.float32 or mode in ("serial", "overlap", "auto"):
-        # Only the delta mode rounds the delta to the output dtype before adding it.
+        # The delta mode rounds the delta to the output dtype before adding it; fused rounds once at the end.
         assert rel_err(got, plain) <= 1e-6 if dtype == torch.float32 else torch.equal(got, plain)
 
 
@@ -81,8 +85,11 @@ def test_out_allocated_and_no_lora_rows_are_the_base():
         y = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, bias=b,
                            backend="torch", mode=mode)
         base = F.linear(case.x, w, b)
-        assert torch.equal(y[:2], base[:2]) and torch.equal(y[5:], base[5:])  # slot -1 and padding rows
-        assert not torch.equal(y[2:5], base[2:5])
+        if mode == "fused":  # a Triton GEMM: the same base up to rounding
+            assert rel_err(y[:2], base[:2]) <= 1e-5 and rel_err(y[5:], base[5:]) <= 1e-5
+        else:
+            assert torch.equal(y[:2], base[:2]) and torch.equal(y[5:], base[5:])  # slot -1 and padding rows
+        assert rel_err(y[2:5], base[2:5]) > 1e-2
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -211,12 +218,13 @@ def _decode_info(slots, ranks, scal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("permute", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_matches_reference(dtype, mode):
-    rng = np.random.default_rng([dtype.itemsize, MODES.index(mode)])
-    case = make_case(rng, num_slots=8, max_rank=16, slice_widths=(256, 64, 64), in_dim=320,
-                     seg_lens=(1, 1, 7, 1, 33, 2), dtype=dtype, device="cuda", permute=True, extra_rows=4)
+def test_gpu_matches_reference(dtype, mode, permute):
+    rng = np.random.default_rng([dtype.itemsize, MODES.index(mode), permute])
+    case = make_case(rng, num_slots=8, max_rank=16, slice_widths=(256, 64, 72), in_dim=328,
+                     seg_lens=(1, 1, 7, 1, 133, 2, 0, 300), dtype=dtype, device="cuda", permute=permute, extra_rows=4)
     w, b = _layer(case, rng, True)
     out = torch.full((case.x.shape[0], case.slice_offsets[-1]), float("nan"), dtype=dtype, device="cuda")
     got = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, bias=b, out=out, mode=mode)
@@ -225,7 +233,7 @@ def test_gpu_matches_reference(dtype, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["serial", "overlap", "delta"])
+@pytest.mark.parametrize("mode", ["serial", "overlap", "delta", "fused"])
 def test_gpu_batch_invariance_same_size(mode):
     """Probe rows keep their position and adapter; every other row (data, adapter) changes: bitwise equal."""
     rng = np.random.default_rng([21, len(mode)])
@@ -276,7 +284,7 @@ def test_gpu_batch_invariance_across_sizes(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["serial", "overlap", "delta"])
+@pytest.mark.parametrize("mode", ["serial", "overlap", "delta", "fused"])
 def test_gpu_graph_replay_equals_eager_and_no_sync(mode):
     rng = np.random.default_rng([23, len(mode)])
     T, dtype = 48, torch.bfloat16
