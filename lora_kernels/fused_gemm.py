@@ -137,6 +137,8 @@ def gemm_lora(x, weight, bias, v, lora_b, info, slice_offsets, out) -> torch.Ten
     (lora_linear); `supports` must hold. v: fp32 [T, S*R] from sgmv_shrink."""
     M, K = x.shape
     N = weight.shape[0]
+    if M == 0 or N == 0:
+        return out
     S = len(slice_offsets) - 1
     R = lora_b.shape[2]
     offs = list(slice_offsets[1:-1]) + [N] * (4 - S)
