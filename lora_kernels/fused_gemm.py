@@ -79,10 +79,25 @@ def _lora_epilogue(acc, m0, n0, rm, rn, v_ptr, b_ptr, seg_indptr, weight_indices
                                  mask=rmask[:, None] & jmask[None, :], other=0.0)
                     bt = tl.load(b_ptr + slot.to(tl.int64) * N * R + rn[:, None] * R + rj[None, :],
                                  mask=cmask[:, None] & jmask[None, :], other=0.0)
-                    acc += scale * tl.dot(vt.to(bt.dtype), tl.trans(bt), input_precision=DOT_PREC)
+                    # Accumulate into acc (no second [BLOCK_M, BLOCK_N] tile of registers); the other
+                    # segments' rows are masked to 0 in vt, so they add exact zeros.
+                    acc = tl.dot((vt * scale).to(bt.dtype), tl.trans(bt), acc, input_precision=DOT_PREC)
         s += 1
         seg_start = tl.load(seg_indptr + s)
     return acc
+
+
+@triton.jit
+def _tile(t, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile t -> (pid_m, pid_n), grouped GROUP_M row tiles at a time so W tiles are reused from L2."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    group = t // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (t % (GROUP_M * grid_n)) % size_m
+    pid_n = (t % (GROUP_M * grid_n)) // size_m
+    return pid_m, pid_n
 
 
 @triton.jit(do_not_specialize=["M", "cap"])
@@ -90,14 +105,7 @@ def _gemm_lora_kernel(x_ptr, w_ptr, bias_ptr, v_ptr, b_ptr, out_ptr, seg_indptr,
                       scalings, M, N, K, cap, NR, R, o1, o2, o3,
                       HAS_BIAS: tl.constexpr, S: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
-    pid_n = (pid % (GROUP_M * grid_n)) // size_m
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -117,12 +125,51 @@ def _gemm_lora_kernel(x_ptr, w_ptr, bias_ptr, v_ptr, b_ptr, out_ptr, seg_indptr,
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(dtype: torch.dtype, n: int, k: int) -> dict:
-    """Tile shape from (dtype, N, K) only: never from the batch, so a row's result is batch-invariant."""
+@triton.jit(do_not_specialize=["M", "cap"])
+def _gemm_lora_tma_kernel(x_desc, w_desc, out_desc, bias_ptr, v_ptr, b_ptr, seg_indptr, weight_indices, lora_ranks,
+                          scalings, M, N, K, cap, NR, R, o1, o2, o3,
+                          HAS_BIAS: tl.constexpr, S: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+                          NUM_PROGRAMS: tl.constexpr):
+    """The same tile computation, persistent (one program per SM walks the tiles by a fixed stride) with
+    TMA loads and stores (sm90+). Out-of-range tile parts load as zeros and are not stored."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for t in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        pid_m, pid_n = _tile(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            xt = x_desc.load([m0, k])
+            wt = w_desc.load([n0, k])
+            acc = tl.dot(xt, wt.T, acc, input_precision=DOT_PREC)
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc = _lora_epilogue(acc, m0, n0, rm, rn, v_ptr, b_ptr, seg_indptr, weight_indices, lora_ranks, scalings,
+                             cap, N, NR, R, o1, o2, o3, S, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_R)
+        out_desc.store([m0, n0], acc.to(out_desc.dtype))
+
+
+# The persistent TMA kernel on sm90+ (and in the interpreter, which runs it too); LORA_KERNELS_FUSED_TMA=0, or
+# setting this to False, keeps the pointer kernel (any GPU, any alignment).
+USE_TMA = os.environ.get("LORA_KERNELS_FUSED_TMA", "1") != "0"
+_NUM_SMS: dict[int, int] = {}
+
+
+def _config(dtype: torch.dtype, n: int, k: int, block_r: int, tma: bool) -> dict:
+    """Tile shape from (dtype, N, K, rank bucket) only, never from the batch: a row's result is
+    batch-invariant. Shared memory: the K loop's stages, the epilogue's v and B tiles and (TMA) the
+    output tile, within 227 KB."""
     if _INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3 if block_r <= 64 else 2)
+    if tma:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4 if block_r <= 64 else 2)
+    if block_r > 64:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=2)
     return dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
@@ -130,6 +177,25 @@ def supports(x: torch.Tensor, weight: torch.Tensor, info, slice_offsets) -> bool
     """Whether gemm_lora can run these inputs (else lora_linear falls back to the overlapped mode)."""
     return (info.permutation is None and len(slice_offsets) - 1 <= 4 and weight.is_contiguous()
             and (x.device.type == "cuda" or _INTERPRET))
+
+
+def _tma_ok(x, weight, out) -> bool:
+    if not USE_TMA:
+        return False
+    if not _INTERPRET and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    size = x.element_size()
+    return all(t.data_ptr() % 16 == 0 for t in (x, weight, out)) and (x.shape[1] * size) % 16 == 0 \
+        and (out.shape[1] * size) % 16 == 0
+
+
+def _num_programs(device: torch.device) -> int:
+    if _INTERPRET:
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
 
 
 def gemm_lora(x, weight, bias, v, lora_b, info, slice_offsets, out) -> torch.Tensor:
@@ -142,11 +208,23 @@ def gemm_lora(x, weight, bias, v, lora_b, info, slice_offsets, out) -> torch.Ten
     S = len(slice_offsets) - 1
     R = lora_b.shape[2]
     offs = list(slice_offsets[1:-1]) + [N] * (4 - S)
-    cfg = _config(x.dtype, N, K)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _gemm_lora_kernel[grid](
-        x, weight, bias if bias is not None else out, v, lora_b, out, info.seg_indptr, info.weight_indices,
-        info.lora_ranks, info.scalings, M, N, K, info.weight_indices.shape[0], v.shape[1], R, offs[0], offs[1], offs[2],
-        HAS_BIAS=bias is not None, S=S, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_R=max(16, triton.next_power_of_2(R)), **cfg)
+    block_r = max(16, triton.next_power_of_2(R))
+    tma = _tma_ok(x, weight, out)
+    cfg = _config(x.dtype, N, K, block_r, tma)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    meta = dict(HAS_BIAS=bias is not None, S=S, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                BLOCK_R=block_r, **cfg)
+    lora_args = (bias if bias is not None else out, v, lora_b) + (out,) * (not tma) + (
+        info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings, M, N, K, info.weight_indices.shape[0],
+        v.shape[1], R, offs[0], offs[1], offs[2])
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+                 TensorDescriptor.from_tensor(out, [bm, bn]))
+        nprog = _num_programs(x.device)
+        _gemm_lora_tma_kernel[(nprog,)](*descs, *lora_args, NUM_PROGRAMS=nprog, **meta)
+    else:
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        _gemm_lora_kernel[grid](x, weight, *lora_args, **meta)
     return out
