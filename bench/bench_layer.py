@@ -18,6 +18,8 @@ the machine lands on all alike); median and range over the rounds:
     overlap     lk.lora_linear(mode="overlap"): shrink on a side stream during the GEMM, expand after
     delta       lk.lora_linear(mode="delta"): shrink + expand into a delta on the side stream, then y += delta
     fused       lk.lora_linear(mode="fused"): shrink, then a Triton GEMM with the expand in its epilogue
+                (persistent, TMA loads on sm90+)
+    fused_ptr   the same with the pointer-load (non-persistent) Triton GEMM
 
 Also the eager host µs per qkv call of each variant at decode bs16 (validation + launches, no sync).
 
@@ -54,7 +56,8 @@ DTYPE = torch.bfloat16
 # Issue 16 acceptance on an H200: the most lora_linear may add over the base, % (rank -> case -> %).
 TARGETS = {16: {"decode1": 8, "decode16": 12, "decode64": 25, "decode256": 25, "prefill8": 5},
            64: {"decode1": 10, "decode16": 35, "decode64": 65, "decode256": 65, "prefill8": 8}}
-MODE_OF = {"apply": "serial", "overlap": "overlap", "delta": "delta", "fused": "fused"}
+MODE_OF = {"apply": "serial", "overlap": "overlap", "delta": "delta", "fused": "fused", "fused_ptr": "fused"}
+ALL_VARIANTS = ("base", "apply", "overlap", "delta", "fused", "fused_ptr")
 
 
 def fused_available() -> bool:
@@ -105,6 +108,16 @@ def variant_fn(name: str, copy: LayerCopy, info, offs: dict):
             for (x, w, a, b, out), off in mods:
                 torch.mm(x, w.t(), out=out)
                 lk.apply_lora(x, out, a, b, info, off)
+    elif name == "fused_ptr":  # the fused mode with the pointer-load kernel instead of the TMA one
+        from lora_kernels import fused_gemm
+
+        def run():
+            prev, fused_gemm.USE_TMA = fused_gemm.USE_TMA, False
+            try:
+                for (x, w, a, b, out), off in mods:
+                    lk.lora_linear(x, w, a, b, info, off, out=out, mode="fused")
+            finally:
+                fused_gemm.USE_TMA = prev
     else:
         mode = MODE_OF[name]
 
@@ -131,9 +144,9 @@ def check_variants(copy: LayerCopy, info, offs, variants) -> dict:
             if not errs[v] <= 2e-2:
                 raise RuntimeError(f"variant {v}: LoRA delta differs from apply_lora's (rel. error {errs[v]:.2e})")
         except Exception as e:
-            if v != "fused":
+            if not v.startswith("fused"):
                 raise
-            print(f"# fused variant dropped: {type(e).__name__}: {e}")
+            print(f"# {v} variant dropped: {type(e).__name__}: {e}")
             variants.remove(v)
     return errs
 
@@ -205,7 +218,7 @@ def host_times(copy: LayerCopy, info, offs, variants, like: dict) -> list[dict]:
     calls = {"base": lambda: torch.mm(x, w.t(), out=out),
              "apply": lambda: (torch.mm(x, w.t(), out=out), lk.apply_lora(x, out, a, b, info, off))}
     for v in variants:
-        if v in MODE_OF and v != "apply":
+        if v in MODE_OF and v not in ("apply", "fused_ptr"):
             calls[v] = lambda m=MODE_OF[v]: lk.lora_linear(x, w, a, b, info, off, out=out, mode=m)
     res = common.time_host_interleaved_us(calls, reps=1000, rounds=5, warmup=20)
     torch.cuda.synchronize()
@@ -217,7 +230,8 @@ def best_modes(rows) -> list[dict]:
     """Per case: the fastest lora_linear mode (apply = serial) and whether it meets the target."""
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
-        cand = [r for r in rows if r["case"] == case and r["variant"] in MODE_OF]
+        # fused_ptr is diagnostic (auto runs the TMA kernel where it can), so it is not a candidate.
+        cand = [r for r in rows if r["case"] == case and r["variant"] in MODE_OF and r["variant"] != "fused_ptr"]
         best = min(cand, key=lambda r: r["us"])
         tgt = best["target_pct"]
         out.append({"case": case, "rank": best["rank"], "tokens": best["tokens"], "best": MODE_OF[best["variant"]],
@@ -250,7 +264,7 @@ def main():
     p.add_argument("--layers", type=int, default=4, help="layer copies rotated (prefill uses at most 2)")
     p.add_argument("--ranks", default="16,64")
     p.add_argument("--sort", action="store_true", help="sort_by_adapter=True batches")
-    p.add_argument("--variants", default="base,apply,overlap,delta,fused", help="comma list (base and apply always run)")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list (base and apply always run)")
     p.add_argument("--write-table", type=Path, default=None, help="write the auto-mode table module here")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script (tiny shapes, eager, no timing)")
     args = p.parse_args()
@@ -264,9 +278,7 @@ def main():
     scale = 64 if smoke else 1
     torch.backends.cuda.matmul.allow_tf32 = False
     wanted = set(args.variants.split(",")) | {"base", "apply"}
-    variants = [v for v in ("base", "apply", "overlap", "delta", "fused") if v in wanted]
-    if "fused" in variants and not fused_available():
-        variants.remove("fused")
+    variants = [v for v in ALL_VARIANTS if v in wanted and (not v.startswith("fused") or fused_available())]
     bw = 1.0 if smoke else common.copy_bandwidth_gbs()
     print(f"# {common.device_name()}, copy bandwidth {bw:.0f} GB/s, bf16, graph replay, {args.rounds} interleaved "
           f"rounds, variants {variants}" + (" [SMOKE: CPU, tiny shapes, host time]" if smoke else ""))
