@@ -8,7 +8,7 @@ cuBLAS GEMM (`torch.mm`) with its LoRA; 32 slots, every adapter of the pool's ra
 32 slots (unsorted batches unless --sort); ranks 16 and 64; decode batches 1/16/64/256 and prefill 8 x 1024.
 Batch metadata from the graph-mode BatchInfoBuilder.
 
-Variants, each timed per layer (the four modules) by `common.time_graph_us` in CUDA-graph replay, rotating
+Variants, each timed per layer (the four modules) by `common.GraphTimer` in CUDA-graph replay, rotating
 over `--layers` copies of the layer's weights and activations (distinct base and LoRA weights and buffers,
 far beyond L2 in total), in `--rounds` interleaved rounds (every variant once per round, so a slow phase of
 the machine lands on all alike); median and range over the rounds:
@@ -163,17 +163,22 @@ def bytes_of(rank: int, T: int, slots, scale: int) -> tuple[int, int]:
 
 
 def timed_rounds(fns: dict, rounds: int, reps: int, smoke: bool) -> dict:
-    """{variant: [µs per layer, one per round]}, variants alternating within each round."""
+    """{variant: [µs per layer, one per round]}: each variant's graph captured once (`common.GraphTimer`),
+    then replayed in `rounds` rounds, variants alternating within each round."""
     times = {v: [] for v in fns}
-    for _ in range(rounds):
-        for v, copies in fns.items():
-            if smoke:  # no GPU: host wall time of an eager pass, only to exercise the reporting
+    if smoke:  # no GPU: host wall time of an eager pass, only to exercise the reporting
+        for _ in range(rounds):
+            for v, copies in fns.items():
                 t0 = time.perf_counter()
                 for f in copies:
                     f()
                 times[v].append((time.perf_counter() - t0) * 1e6 / len(copies))
-            else:
-                times[v].append(common.time_graph_us(copies, inner=len(copies), warmup=2, reps=reps))
+        return times
+    timers = {v: common.GraphTimer(copies, inner=len(copies)) for v, copies in fns.items()}
+    for _ in range(rounds):
+        for v, timer in timers.items():
+            times[v].append(timer.time_us(reps=reps, warmup=2))
+    del timers
     return times
 
 
