@@ -24,6 +24,13 @@ Modes (``mode=``, default "auto"):
 * ``auto``     the mode measured fastest for the batch's regime on this machine (`_linear_table.py`,
                written by ``bench/bench_layer.py --write-table``); on the CPU, ``serial``.
 
+Batch invariance: the LoRA part of a row is bitwise the same whatever else is in the batch, in every mode
+(the SGMV ops' promise; the fused GEMM's tile shapes depend on (N, K, dtype, rank bucket) only). The base
+part is cuBLAS's: for a fixed row count a row's result does not depend on the other rows, but cuBLAS may
+pick another kernel for another row count; `lora_linear_with` with a batch-invariant base is invariant
+across sizes. Modes round differently (``delta`` and ``fused`` round once more / once less than
+``serial``), so invariance across sizes also needs one mode: pin ``mode=`` where that matters.
+
 On the CPU there is no side stream: ``overlap`` and ``delta`` run the same arithmetic in program order
 (so the CPU tests cover every mode's composition).
 
