@@ -40,9 +40,8 @@ def _first_segment(seg_indptr, cap, m0):
 @triton.jit
 def _lora_epilogue(acc, m0, n0, rm, rn, v_ptr, b_ptr, seg_indptr, weight_indices, lora_ranks, scalings, cap, N, NR,
                    R, o1, o2, o3, S: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
     """acc + scaling · v[rows, slice] B[slot, cols, :rank]ᵀ for each segment and slice meeting the tile."""
-    rj = tl.arange(0, BLOCK_R)
     total = tl.load(seg_indptr + cap)
     s = _first_segment(seg_indptr, cap, m0)
     m_end = tl.minimum(m0 + BLOCK_M, total)
@@ -54,7 +53,6 @@ def _lora_epilogue(acc, m0, n0, rm, rn, v_ptr, b_ptr, seg_indptr, weight_indices
         if (slot >= 0) & (rank > 0) & (seg_end > seg_start):
             scale = tl.load(scalings + slot)
             rmask = (rm >= seg_start) & (rm < seg_end)
-            jmask = rj < rank
             for i in tl.static_range(S):
                 # Slice i covers columns [lo, hi) (o1..o3 are the inner slice offsets; S is a constexpr).
                 if i == 0:
@@ -75,13 +73,16 @@ def _lora_epilogue(acc, m0, n0, rm, rn, v_ptr, b_ptr, seg_indptr, weight_indices
                     hi = o3
                 if (n0 < hi) & (n0 + BLOCK_N > lo):
                     cmask = (rn >= lo) & (rn < hi)
-                    vt = tl.load(v_ptr + rm.to(tl.int64)[:, None] * NR + i * R + rj[None, :],
-                                 mask=rmask[:, None] & jmask[None, :], other=0.0)
-                    bt = tl.load(b_ptr + slot.to(tl.int64) * N * R + rn[:, None] * R + rj[None, :],
-                                 mask=cmask[:, None] & jmask[None, :], other=0.0)
-                    # Accumulate into acc (no second [BLOCK_M, BLOCK_N] tile of registers); the other
-                    # segments' rows are masked to 0 in vt, so they add exact zeros.
-                    acc = tl.dot((vt * scale).to(bt.dtype), tl.trans(bt), acc, input_precision=DOT_PREC)
+                    # The rank in chunks of R_CHUNK (fewer live registers beside the GEMM tile); the other
+                    # segments' rows are masked to 0 in vt, so they add exact zeros to acc.
+                    for c in tl.static_range(BLOCK_R // R_CHUNK):
+                        rj = c * R_CHUNK + tl.arange(0, R_CHUNK)
+                        jmask = rj < rank
+                        vt = tl.load(v_ptr + rm.to(tl.int64)[:, None] * NR + i * R + rj[None, :],
+                                     mask=rmask[:, None] & jmask[None, :], other=0.0)
+                        bt = tl.load(b_ptr + slot.to(tl.int64) * N * R + rn[:, None] * R + rj[None, :],
+                                     mask=cmask[:, None] & jmask[None, :], other=0.0)
+                        acc = tl.dot((vt * scale).to(bt.dtype), tl.trans(bt), acc, input_precision=DOT_PREC)
         s += 1
         seg_start = tl.load(seg_indptr + s)
     return acc
@@ -104,7 +105,8 @@ def _tile(t, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.con
 def _gemm_lora_kernel(x_ptr, w_ptr, bias_ptr, v_ptr, b_ptr, out_ptr, seg_indptr, weight_indices, lora_ranks,
                       scalings, M, N, K, cap, NR, R, o1, o2, o3,
                       HAS_BIAS: tl.constexpr, S: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+                      R_CHUNK: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,7 +122,8 @@ def _gemm_lora_kernel(x_ptr, w_ptr, bias_ptr, v_ptr, b_ptr, out_ptr, seg_indptr,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     acc = _lora_epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, rm, rn, v_ptr, b_ptr, seg_indptr, weight_indices,
-                         lora_ranks, scalings, cap, N, NR, R, o1, o2, o3, S, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_R)
+                         lora_ranks, scalings, cap, N, NR, R, o1, o2, o3, S, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_R,
+                         R_CHUNK)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -130,7 +133,7 @@ def _gemm_lora_tma_kernel(x_desc, w_desc, out_desc, bias_ptr, v_ptr, b_ptr, seg_
                           scalings, M, N, K, cap, NR, R, o1, o2, o3,
                           HAS_BIAS: tl.constexpr, S: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-                          NUM_PROGRAMS: tl.constexpr):
+                          R_CHUNK: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """The same tile computation, persistent (one program per SM walks the tiles by a fixed stride) with
     TMA loads and stores (sm90+). Out-of-range tile parts load as zeros and are not stored."""
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -148,7 +151,7 @@ def _gemm_lora_tma_kernel(x_desc, w_desc, out_desc, bias_ptr, v_ptr, b_ptr, seg_
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         acc = _lora_epilogue(acc, m0, n0, rm, rn, v_ptr, b_ptr, seg_indptr, weight_indices, lora_ranks, scalings,
-                             cap, N, NR, R, o1, o2, o3, S, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_R)
+                             cap, N, NR, R, o1, o2, o3, S, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK)
         out_desc.store([m0, n0], acc.to(out_desc.dtype))
 
 
@@ -160,17 +163,15 @@ _NUM_SMS: dict[int, int] = {}
 
 def _config(dtype: torch.dtype, n: int, k: int, block_r: int, tma: bool) -> dict:
     """Tile shape from (dtype, N, K, rank bucket) only, never from the batch: a row's result is
-    batch-invariant. Shared memory: the K loop's stages, the epilogue's v and B tiles and (TMA) the
-    output tile, within 227 KB."""
+    batch-invariant. Checked offline for sm90 (triton.compile to a cubin, no GPU): the TMA kernel uses
+    164 KB of shared memory and no local-memory spills at ranks 16 and 64 (bf16)."""
     if _INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3 if block_r <= 64 else 2)
-    if tma:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4 if block_r <= 64 else 2)
-    if block_r > 64:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+    if tma:  # 4 stages of 32 KB + the 32 KB output tile; the epilogue's rank chunks are small
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, info, slice_offsets) -> bool:
@@ -213,7 +214,7 @@ def gemm_lora(x, weight, bias, v, lora_b, info, slice_offsets, out) -> torch.Ten
     cfg = _config(x.dtype, N, K, block_r, tma)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     meta = dict(HAS_BIAS=bias is not None, S=S, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                BLOCK_R=block_r, **cfg)
+                BLOCK_R=block_r, R_CHUNK=min(block_r, 32), **cfg)
     lora_args = (bias if bias is not None else out, v, lora_b) + (out,) * (not tma) + (
         info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings, M, N, K, info.weight_indices.shape[0],
         v.shape[1], R, offs[0], offs[1], offs[2])

@@ -68,9 +68,10 @@ def test_equals_linear_plus_apply_lora(name, dtype, mode, bias):
         assert rel_err(got, plain) <= 1e-6 if dtype == torch.float32 else torch.equal(got, plain)
 
 
+@pytest.mark.parametrize("max_rank", [16, 48])  # 48: the epilogue's rank in two chunks of 32
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tma", [True, False])
-def test_fused_kernels(monkeypatch, tma, dtype):
+def test_fused_kernels(monkeypatch, tma, dtype, max_rank):
     """Both fused GEMMs (persistent TMA; pointer loads), fp32 under the interpreter, bf16 on a GPU."""
     if not torch.cuda.is_available() and (dtype != torch.float32 or not linear._fused_gemm()._INTERPRET):
         pytest.skip("needs a GPU (or TRITON_INTERPRET=1 for fp32: bf16 tl.dot is wrong in the interpreter)")
@@ -79,10 +80,11 @@ def test_fused_kernels(monkeypatch, tma, dtype):
     used = []
     real = fg._tma_ok
     monkeypatch.setattr(fg, "_tma_ok", lambda *a: used.append(real(*a)) or used[-1])
-    rng = np.random.default_rng([31, tma, dtype.itemsize])
+    rng = np.random.default_rng([31, tma, dtype.itemsize, max_rank])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ranks = [max_rank, 40, 33, 1, 17, max_rank] if max_rank > 32 else None
     case = make_case(rng, seg_lens=(20, 13, 1, 0, 9), slice_widths=(24, 8, 8, 16), in_dim=40, extra_rows=5,
-                     device=dev, dtype=dtype)
+                     device=dev, dtype=dtype, max_rank=max_rank, ranks=ranks, slots=[0, 1, 2, 4, -1])
     w, b = _layer(case, rng, True)
     got = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, bias=b, mode="fused")
     assert used == [tma]
