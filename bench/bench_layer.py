@@ -96,9 +96,9 @@ def offsets(scale: int) -> dict:
             for m, (_, ws) in MODULES.items()}
 
 
-def variant_fn(name: str, copy: LayerCopy, info, offs: dict):
-    """A callable running the whole layer (four modules) in variant `name` on one copy."""
-    mods = [(copy.mods[m], offs[m]) for m in MODULES]
+def variant_fn(name: str, copy: LayerCopy, info, offs: dict, only: str | None = None):
+    """A callable running the whole layer (four modules; or module `only`) in variant `name` on one copy."""
+    mods = [(copy.mods[m], offs[m]) for m in MODULES if only in (None, m)]
     if name == "base":
         def run():
             for (x, w, _, _, out), _ in mods:
@@ -209,12 +209,29 @@ def run_case(rank, kind, n, args, variants, bw, scale, device):
                      "added_pct": 100 * (med - base_us) / base_us, "bytes_share_pct": 100 * lora_bytes / base_bytes,
                      "floor_share_pct": 100 * lora_bytes / (bw * 1e3) / base_us, "delta_err": errs.get(v, 0.0),
                      "target_pct": TARGETS.get(rank, {}).get(case), "layers": n_copies, "sort": args.sort})
+    if args.per_module:
+        rows += per_module(copies, info, offs, variants, args, rows[0])
     if kind == "decode" and n == 16 and not args.smoke:
         rows += host_times(copies[0], info, offs, variants, rows[0])
     del copies, fns
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def per_module(copies, info, offs, variants, args, like: dict) -> list[dict]:
+    """µs per module of each variant (graph replay, interleaved rounds), to see where a layer's time goes."""
+    out = []
+    for m in MODULES:
+        fns = {v: [variant_fn(v, c, info, offs, only=m) for c in copies] for v in variants}
+        times = timed_rounds(fns, args.rounds, args.reps, args.smoke)
+        base = statistics.median(times["base"])
+        for v, ts in times.items():
+            med = statistics.median(ts)
+            out.append({"case": like["case"], "rank": like["rank"], "kind": "module", "batch": like["batch"],
+                        "module": m, "variant": v, "us": med, "min_us": min(ts), "max_us": max(ts),
+                        "added_pct": 100 * (med - base) / base})
+    return out
 
 
 def host_times(copy: LayerCopy, info, offs, variants, like: dict) -> list[dict]:
@@ -271,6 +288,7 @@ def main():
     p.add_argument("--ranks", default="16,64")
     p.add_argument("--sort", action="store_true", help="sort_by_adapter=True batches")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list (base and apply always run)")
+    p.add_argument("--per-module", action="store_true", help="also time each module alone (more captures)")
     p.add_argument("--write-table", type=Path, default=None, help="write the auto-mode table module here")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script (tiny shapes, eager, no timing)")
     args = p.parse_args()
@@ -293,17 +311,22 @@ def main():
         for kind, n in CASES:
             rows += run_case(rank, kind, n, args, variants, bw, scale, device)
     host = [r for r in rows if r["kind"] == "host"]
-    rows = [r for r in rows if r["kind"] != "host"]
+    mod_rows = [r for r in rows if r["kind"] == "module"]
+    rows = [r for r in rows if r["kind"] not in ("host", "module")]
     common.print_table(rows, ["case", "variant", "us", "min_us", "max_us", "added_pct", "bytes_share_pct",
                               "floor_share_pct", "delta_err"])
     best = best_modes(rows)
     print("\n# fastest lora_linear mode per case (apply = serial) against issue 16's H200 targets")
     common.print_table(best, ["case", "best", "us", "added_pct", "target_pct", "meets"])
+    if mod_rows:
+        print("\n# per module (--per-module)")
+        common.print_table(mod_rows, ["case", "module", "variant", "us", "min_us", "max_us", "added_pct"])
     if host:
         print("\n# eager host µs per qkv call (validation + launches, no sync), decode bs16")
         common.print_table(host, ["case", "variant", "host_us", "host_p99_us"])
     common.write_jsonl(args.json, [{"bench": "layer", **r} for r in rows] + [{"bench": "layer_best", **b} for b in best]
-                       + [{"bench": "layer_host", **h} for h in host])
+                       + [{"bench": "layer_host", **h} for h in host]
+                       + [{"bench": "layer_module", **r} for r in mod_rows])
     if args.write_table:
         args.write_table.write_text(table_source(best, common.meta()))
         print(f"# wrote {args.write_table}")
