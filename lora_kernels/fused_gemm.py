@@ -8,7 +8,7 @@ Each program computes one [BLOCK_M, BLOCK_N] tile of out (grouped tile order for
 over K, then, for every segment overlapping the tile's rows (segments are contiguous row ranges: batches
 without a permutation only), for every slice overlapping the tile's columns, one ``v_tile B_tileᵀ`` of
 inner size R with that segment's rows masked in, scaled and added. Rows of slot -1 / rank-0 segments and
-rows outside every segment get the base alone. Tile shapes depend only on (N, K, dtype), never on the
+rows outside every segment get the base alone. Tile shapes depend only on (dtype, kernel), never on the
 batch, and a row's delta gets exact zeros from the other segments of its tile: batch-invariant.
 """
 
@@ -208,6 +208,7 @@ def gemm_lora(x, weight, bias, v, lora_b, info, slice_offsets, out) -> torch.Ten
         return out
     S = len(slice_offsets) - 1
     R = lora_b.shape[2]
+    bias = None if bias is None else bias.contiguous()  # the kernels read it with stride 1
     offs = list(slice_offsets[1:-1]) + [N] * (4 - S)
     block_r = max(16, triton.next_power_of_2(R))
     tma = _tma_ok(x, weight, out)

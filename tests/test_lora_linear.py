@@ -86,6 +86,7 @@ def test_fused_kernels(monkeypatch, tma, dtype, max_rank):
     case = make_case(rng, seg_lens=(20, 13, 1, 0, 9), slice_widths=(24, 8, 8, 16), in_dim=40, extra_rows=5,
                      device=dev, dtype=dtype, max_rank=max_rank, ranks=ranks, slots=[0, 1, 2, 4, -1])
     w, b = _layer(case, rng, True)
+    b = torch.stack([b, -b], dim=1)[:, 0]  # a strided bias view
     got = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, bias=b, mode="fused")
     assert used == [tma]
     assert rel_err(got, _reference(case, w, b)) <= TOL[dtype]
