@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 _SEQ = (list, tuple)
-TILE_M = 64  # rows per work-list tile: 4 sub-tiles of the Triton kernels' BLOCK_M (fixed for every batch)
+TILE_M = 16  # rows per work-list tile; the Triton kernels' BLOCK_M (one value for every batch: invariance)
 # The ufunc reductions directly: ndarray.min/max add a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
 # The current stream as a raw handle: a dict key, cheaper than building a torch Stream per build.

@@ -234,7 +234,7 @@ def test_plans_depend_on_shapes_only():
     dev = torch.device(DEVICE)
     p1 = plan.shrink_plan(4096, 3, 16, torch.bfloat16, True, dev)
     assert p1 is plan.shrink_plan(4096, 3, 16, torch.bfloat16, True, dev)
-    assert p1.split == 8 and p1.k_chunk == 512 and p1.kw["BLOCK_M"] * 4 == lk.batch_info.TILE_M
+    assert p1.split == 8 and p1.k_chunk == 512 and p1.kw["BLOCK_M"] == lk.batch_info.TILE_M
     assert plan.shrink_plan(14336, 1, 64, torch.bfloat16, False, dev).split == 8
     e = plan.expand_plan((0, 4096, 5120, 6144), 16, torch.bfloat16, False, 8, dev)
     assert e.n_tiles == 48 and e.kw["SPLIT"] == 8

@@ -1,7 +1,7 @@
 """Triton SGMV kernels (DESIGN.md §5), v3: fixed-size grids over the builder's work list.
 
 Work list (batch_info.py): `work[0]` = number of tiles; tile t covers segmented rows
-[row0[t], end[t]) (at most TILE_M = 4 BLOCK_M rows of one segment) with adapter slot[t], where
+[row0[t], end[t]) (at most TILE_M = BLOCK_M rows of one segment) with adapter slot[t], where
 slot = work[1 + t], row0 = work[1 + MT + t], end = work[1 + 2 MT + t] (MT = the list's capacity).
 A kernel's items are (tile, inner index) pairs numbered tile-major; its P programs (a fixed multiple of
 the SM count) each take one contiguous chunk of ceil(items / P) of them, so a program reads a tile's
@@ -9,7 +9,7 @@ metadata once and then streams consecutive column tiles or K splits of it. A CUD
 once replays for any batch; the cost follows the real tiles.
 
 Batch invariance: every reduction runs in an order fixed by the shapes alone. Each row goes through
-the same BLOCK_M-row `tl.dot`s (a tile's sub-tiles) whatever the batch; the shrink splits K into SPLIT chunks (SPLIT from
+the same BLOCK_M-row `tl.dot`s whatever the batch; the shrink splits K into SPLIT chunks (SPLIT from
 in_dim only), each one dot chain over BLOCK_K steps; the partials are added in split order by
 `_sum_splits` (in the expand or in the reduction kernel). A row's bits therefore do not depend on the
 other rows of its tile, the grid, sorting or capture.
@@ -66,16 +66,6 @@ def _sum_splits(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride
     return acc
 
 
-@triton.jit
-def _store_v(out_ptr, ks, num_rows, NR, rows, row_mask, cols, col_mask, live, acc, PARTIAL: tl.constexpr):
-    out_ptrs = out_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :]
-    if PARTIAL:
-        tl.store(out_ptrs, acc, mask=row_mask[:, None] & live[None, :])
-    else:
-        acc = tl.where(live[None, :], acc, 0.0)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
 @triton.jit(do_not_specialize=["MT", "num_rows"])
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr,
                    MT, K, R, NR, num_rows, k_chunk,
@@ -84,8 +74,6 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr,
                    PDL: tl.constexpr):
     """Item (tile, column tile, split s): out[(s,) row, c] = sum over K chunk s of x[row, k] * A[slot, c, k].
 
-    A tile has up to 4 sub-tiles of BLOCK_M rows; each adapter block is loaded once per K step and
-    used by every live sub-tile (one BLOCK_M-row dot each, whatever the tile's length).
     Columns are the flat S*R axis (c = i*R + j); only j < rank are read. PARTIAL: out is the workspace
     [SPLIT, T, NR] and only live columns of LoRA rows are written. Otherwise (SPLIT == 1) out is v and
     the tile's whole row span is written (0 for j >= rank, slot -1 and rank 0).
@@ -101,42 +89,33 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr,
             need = rank >= 0
         if need:
             ks = w % SPLIT
-            subs = tl.cdiv(end - row0, BLOCK_M)
-            r0, m0 = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
-            r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, end, BLOCK_M, HAS_PERM)
-            r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, end, BLOCK_M, HAS_PERM)
-            r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, end, BLOCK_M, HAS_PERM)
+            rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
             cols = ((w // SPLIT) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < NR
             live = col_mask & ((cols % R) < rank)
             k_begin = ks * k_chunk
             k_end = tl.minimum(k_begin + k_chunk, K)
             a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
-            acc0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k in range(k_begin, k_end, BLOCK_K):
+            x_rows = x_ptr + rows[:, None] * K
+            kk = k_begin + tl.arange(0, BLOCK_K)
+            k_mask = kk < k_end
+            at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)  # before the wait
+            if PDL:
+                _gdc.gdc_wait()
+            xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(xt, tl.trans(at), input_precision=DOT_PREC)
+            for k in range(k_begin + BLOCK_K, k_end, BLOCK_K):
                 kk = k + tl.arange(0, BLOCK_K)
                 k_mask = kk < k_end
-                at = tl.trans(tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0))
-                if PDL:  # adapter weights above, activations below
-                    _gdc.gdc_wait()
-                xt = tl.load(x_ptr + r0[:, None] * K + kk[None, :], mask=m0[:, None] & k_mask[None, :], other=0.0)
-                acc0 = tl.dot(xt, at, acc0, input_precision=DOT_PREC)
-                if subs > 1:
-                    xt = tl.load(x_ptr + r1[:, None] * K + kk[None, :], mask=m1[:, None] & k_mask[None, :], other=0.0)
-                    acc1 = tl.dot(xt, at, acc1, input_precision=DOT_PREC)
-                if subs > 2:
-                    xt = tl.load(x_ptr + r2[:, None] * K + kk[None, :], mask=m2[:, None] & k_mask[None, :], other=0.0)
-                    acc2 = tl.dot(xt, at, acc2, input_precision=DOT_PREC)
-                if subs > 3:
-                    xt = tl.load(x_ptr + r3[:, None] * K + kk[None, :], mask=m3[:, None] & k_mask[None, :], other=0.0)
-                    acc3 = tl.dot(xt, at, acc3, input_precision=DOT_PREC)
-            _store_v(out_ptr, ks, num_rows, NR, r0, m0, cols, col_mask, live, acc0, PARTIAL)
-            _store_v(out_ptr, ks, num_rows, NR, r1, m1, cols, col_mask, live, acc1, PARTIAL)
-            _store_v(out_ptr, ks, num_rows, NR, r2, m2, cols, col_mask, live, acc2, PARTIAL)
-            _store_v(out_ptr, ks, num_rows, NR, r3, m3, cols, col_mask, live, acc3, PARTIAL)
+                at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
+                xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
+            out_ptrs = out_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :]
+            if PARTIAL:
+                tl.store(out_ptrs, acc, mask=row_mask[:, None] & live[None, :])
+            else:
+                acc = tl.where(live[None, :], acc, 0.0)
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["MT", "num_rows"])
@@ -151,14 +130,13 @@ def _reduce_kernel(ws_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, R, NR, num_r
     for w in range(start, stop):
         slot, row0, end = _tile(work, w // N_TILES, MT)
         rank, slot64 = _rank(slot, lora_ranks)
+        rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
         cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < NR
         live = col_mask & ((cols % R) < rank)
-        for r in range(row0, end, BLOCK_M):
-            rows, row_mask = _rows(perm_ptr, r, end, BLOCK_M, HAS_PERM)
-            acc = _sum_splits(ws_ptr, rows, row_mask, cols, live, num_rows * NR, NR, SPLIT)
-            tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & col_mask[None, :])
+        acc = _sum_splits(ws_ptr, rows, row_mask, cols, live, num_rows * NR, NR, SPLIT)
+        tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -173,21 +151,6 @@ def _pick(i: tl.constexpr, a0, a1, a2, a3):
         return a3
 
 
-@triton.jit
-def _expand_sub(out_ptr, rows, row_mask, n, n_mask, vt, bt, scale, OUT, DOT_PREC: tl.constexpr):
-    """out[rows, n] += scale * vt @ btᵀ for one sub-tile (BLOCK_M rows) and one column tile."""
-    out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
-    mask = row_mask[:, None] & n_mask[None, :]
-    base = tl.load(out_ptrs, mask=mask, other=0.0)
-    acc = tl.dot(vt, bt, input_precision=DOT_PREC)
-    tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _v_sub(v_ptr, rows, row_mask, cols, col_mask, split_stride, NR, SPLIT: tl.constexpr, dtype: tl.constexpr):
-    return _sum_splits(v_ptr, rows, row_mask, cols, col_mask, split_stride, NR, SPLIT).to(dtype)
-
-
 @triton.jit(do_not_specialize=["MT", "num_rows"])
 def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                    MT, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3,
@@ -198,14 +161,12 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
 
     Column tiles of all slices are numbered 0..N_TILES (slice i owns tiles [t_i, t_{i+1}) and columns
     [off_i, off_{i+1})). v (the sum of SPLIT partials; SPLIT = 1: v itself) is loaded once per slice of
-    a tile, for each of its up to 4 sub-tiles of BLOCK_M rows; then the program streams that slice's
-    column tiles of its chunk, each B tile loaded once for every sub-tile. Rows of slot -1 / rank-0
+    a tile, then the program streams that slice's column tiles of its chunk. Rows of slot -1 / rank-0
     tiles are not touched.
     """
     if PDL:
         _gdc.gdc_launch_dependents()
         _gdc.gdc_wait()
-    dt = b_ptr.dtype.element_ty
     start, stop = _chunk(tl.load(work) * N_TILES)
     t = start // N_TILES
     while t * N_TILES < stop:
@@ -214,16 +175,11 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
         if rank > 0:
             c0 = tl.maximum(start - t * N_TILES, 0)
             c1 = tl.minimum(stop - t * N_TILES, N_TILES)
-            subs = tl.cdiv(end - row0, BLOCK_M)
-            r0, m0 = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
-            r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, end, BLOCK_M, HAS_PERM)
-            r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, end, BLOCK_M, HAS_PERM)
-            r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, end, BLOCK_M, HAS_PERM)
+            rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
             scale = tl.load(scalings + slot64)
             j = tl.arange(0, BLOCK_R)
             j_mask = j < rank
             b_slot = b_ptr + slot64 * OUT * R
-            ss = num_rows * NR
             for i in tl.static_range(SLICES):
                 ts = _pick(i, 0, t1, t2, t3)
                 te = _pick(i, t1, t2, t3, N_TILES)  # the plan pads t_k / off_k of absent slices with the ends
@@ -232,20 +188,17 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                 a = tl.maximum(c0, ts)
                 b = tl.minimum(c1, te)
                 if a < b:
-                    v0 = _v_sub(v_ptr, r0, m0, i * R + j, j_mask, ss, NR, SPLIT, dt)
-                    v1 = _v_sub(v_ptr, r1, m1, i * R + j, j_mask, ss, NR, SPLIT, dt)
-                    v2 = _v_sub(v_ptr, r2, m2, i * R + j, j_mask, ss, NR, SPLIT, dt)
-                    v3 = _v_sub(v_ptr, r3, m3, i * R + j, j_mask, ss, NR, SPLIT, dt)
+                    vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
+                    vt = vt.to(b_ptr.dtype.element_ty)
                     for ct in range(a, b):
                         n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
                         n_mask = n < hi
-                        bt = tl.trans(tl.load(b_slot + n[:, None] * R + j[None, :],
-                                              mask=n_mask[:, None] & j_mask[None, :], other=0.0))
-                        _expand_sub(out_ptr, r0, m0, n, n_mask, v0, bt, scale, OUT, DOT_PREC)
-                        if subs > 1:
-                            _expand_sub(out_ptr, r1, m1, n, n_mask, v1, bt, scale, OUT, DOT_PREC)
-                        if subs > 2:
-                            _expand_sub(out_ptr, r2, m2, n, n_mask, v2, bt, scale, OUT, DOT_PREC)
-                        if subs > 3:
-                            _expand_sub(out_ptr, r3, m3, n, n_mask, v3, bt, scale, OUT, DOT_PREC)
+                        bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :],
+                                     other=0.0)
+                        out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
+                        mask = row_mask[:, None] & n_mask[None, :]
+                        base = tl.load(out_ptrs, mask=mask, other=0.0)
+                        acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
+                        tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty),
+                                 mask=mask)
         t += 1

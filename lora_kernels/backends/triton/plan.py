@@ -16,8 +16,6 @@ import torch
 from lora_kernels.backends import tables
 from lora_kernels.batch_info import TILE_M
 
-SUB_M = TILE_M // 4  # the kernels' BLOCK_M: a work-list tile is 4 sub-tiles
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 TABLE = dict(tables.TRITON_BLOCKS)  # may be replaced for experiments, followed by clear_cache()
 _cache: dict = {}
@@ -90,11 +88,11 @@ def shrink_plan(in_dim: int, num_slices: int, max_rank: int, dtype: torch.dtype,
     k_chunk = _cdiv(_cdiv(in_dim, split), bk) * bk
     split = _cdiv(in_dim, k_chunk)
     pdl = use_pdl(device)
-    kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, bn), BLOCK_M=SUB_M, BLOCK_N=bn, BLOCK_K=bk,
+    kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, bn), BLOCK_M=TILE_M, BLOCK_N=bn, BLOCK_K=bk,
               DOT_PREC=_dot_prec(dtype), PDL=pdl, num_warps=c["num_warps"], num_stages=c["num_stages"])
     r = TABLE["reduce"]
     rbn = max(16, min(_pow2(nr), r["block_n"]))
-    reduce_kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, rbn), BLOCK_M=SUB_M, BLOCK_N=rbn, PDL=pdl,
+    reduce_kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, rbn), BLOCK_M=TILE_M, BLOCK_N=rbn, PDL=pdl,
                      num_warps=r["num_warps"])
     if pdl:
         kw["launch_pdl"] = reduce_kw["launch_pdl"] = True
@@ -128,7 +126,7 @@ def expand_plan(slice_offsets: tuple, max_rank: int, dtype: torch.dtype, has_per
     out_total = slice_offsets[-1]
     offs = list(slice_offsets[1:-1]) + [out_total] * (4 - len(widths))
     ts = starts[:-1] + [total] * (4 - len(widths))
-    kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, SLICES=len(widths), BLOCK_M=SUB_M, BLOCK_N=bn,
+    kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, SLICES=len(widths), BLOCK_M=TILE_M, BLOCK_N=bn,
               BLOCK_R=br, DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), num_warps=c["num_warps"], num_stages=c["num_stages"])
     if kw["PDL"]:
         kw["launch_pdl"] = True
