@@ -31,12 +31,14 @@ def device_name() -> str:
 
 def meta() -> dict:
     """Device, versions, commit and date, stored with every result."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    commit = commit or os.environ.get("GIT_COMMIT", "")  # device copies of the tree carry no .git
+    # GIT_COMMIT first: a device copy of the tree may carry a stale .git whose HEAD is not the tree's commit.
+    commit = os.environ.get("GIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=False).stdout.strip()
+        except OSError:
+            commit = ""
     import triton
 
     return {"device": device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
