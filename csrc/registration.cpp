@@ -1,8 +1,10 @@
 // Op schemas of the lora_kernels namespace and their CUDA implementations. The module has an
-// empty PyInit__C so `import lora_kernels._C` loads the library and runs the registrations.
+// PyInit__C with only host helpers (csrc/host/) so `import lora_kernels._C` loads the library and runs the
+// registrations.
 #include <Python.h>
 #include <torch/library.h>
 
+#include "host/batch_record.h"
 #include "ops/ops.h"
 
 TORCH_LIBRARY(lora_kernels, m) {
@@ -36,7 +38,7 @@ TORCH_LIBRARY_IMPL(lora_kernels, CPU, m) { m.impl("batched_h2d_copy", &lora_kern
 
 extern "C" {
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, lora_kernels::host_methods};
   return PyModule_Create(&module_def);
 }
 }

@@ -50,6 +50,10 @@ import numpy as np
 import torch
 
 _SEQ = (list, tuple)
+try:  # the extension's C++ record filler; without it the numpy path below does the same work
+    from lora_kernels._C import fill_batch_record as _fill_record
+except (ImportError, OSError):  # not built, or built for another torch
+    _fill_record = None
 TILE_M = 16  # rows per work-list tile; the Triton kernels' BLOCK_M (one value for every batch: invariance)
 # The ufunc reductions directly: ndarray.min/max add a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
@@ -331,6 +335,8 @@ class BatchInfoBuilder:
         (unless the staging ring is exhausted, see `stalls`)."""
         n = _check_host_lists(seg_token_counts, slots, self.max_segments)
         st = self._acquire()
+        if _fill_record is not None and type(slots) in _SEQ and type(seg_token_counts) in _SEQ:
+            return self._build_native(st, seg_token_counts, slots, n, sort_by_adapter)
         rec = st.array
         # Slots go to rec[1:1+n] first: the decode record's slot array and, for one-tile segments, the work list's.
         w, c = rec[1:1 + n], self._req_counts[:n]
@@ -351,6 +357,22 @@ class BatchInfoBuilder:
         one_each = n > 0 and cmin >= 1 and cmax <= TILE_M
         return self._emit(st, w, c, n, cmax, one_each, None)
 
+    def _build_native(self, st: _Staging, seg_token_counts, slots, n: int, sort: bool) -> LoRABatchInfo:
+        """build() through the extension's fill_batch_record (same record, same checks, a few µs)."""
+        graph = self.cuda_graph
+        S = self.max_segments
+        perm = (st.array[self._record_len - self.max_tokens:] if graph else self._perm_scratch) if sort else st.array
+        res = _fill_record(seg_token_counts, slots, st.array, perm, self.num_slots, self.max_tokens, sort,
+                           S if graph else 0, self._mt if graph else 0, self._dec_rows if graph else 0, TILE_M)
+        if res[0] == 0:  # graph-mode pure decode: count + slots only
+            self._copy(st, S + 1, self._dec_work[:S + 1])
+            return self._info(self._dec_work[1:1 + S], self._dec_lens, self._dec_indptr, None, n, 1, self._dec_rows,
+                              self._dec_work, S)
+        _, k, max_len, total, _, m, cap = res
+        if sort and graph:
+            self._perm_buffer(st, total)  # restores the identity past this batch's rows
+        return self._finish(st, k, max_len, total, m, cap, perm if sort else None)
+
     def _emit(self, st: _Staging, w: np.ndarray, c: np.ndarray, n: int, max_len: int, one_each: bool,
               perm: np.ndarray | None) -> LoRABatchInfo:
         """Writes segments (slots w, counts c) and their work list into the record, copies it, returns the info."""
@@ -366,7 +388,13 @@ class BatchInfoBuilder:
         lens[n:] = 0
         total = self._prefix_sum(lens, indptr, n)
         write_tiles(rec[:1 + 3 * m], m, wi[:n], lens[:n], indptr, tiles, one_each)
-        end = io + cap + 1
+        return self._finish(st, n, max_len, total, m, cap, perm)
+
+    def _finish(self, st: _Staging, n: int, max_len: int, total: int, m: int, cap: int,
+                perm: np.ndarray | None) -> LoRABatchInfo:
+        """Copies the record written for m tiles and cap segments (and perm[:total]) and returns its info."""
+        rec = st.array
+        end = self._layout(m, cap)[2] + cap + 1
         if self.cuda_graph:
             if perm is not None:
                 self._copy(st, self._record_len, self._dev)

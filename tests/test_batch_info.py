@@ -15,6 +15,7 @@ import torch
 
 import lora_kernels as lk
 from cases import TOL, make_case, rel_err, rowloop_expand, rowloop_shrink
+from lora_kernels import batch_info
 from lora_kernels.batch_info import BatchInfoBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -475,3 +476,49 @@ def test_more_segments_than_tokens(cuda_graph):
             check_info(builder, builder.build(counts, slots, sort_by_adapter=sort), counts, slots, sort)
     with pytest.raises(ValueError, match=r"6 tokens exceed max_tokens=4"):
         builder.build([1] * 6, [0] * 6)
+
+
+def tiles_of(info):
+    m, w = info.max_tiles, info.work.tolist()
+    return [(w[1 + t], w[1 + m + t], w[1 + 2 * m + t]) for t in range(w[0])]
+
+
+@pytest.mark.skipif(batch_info._fill_record is None, reason="the extension (its C++ record filler) is not built")
+@pytest.mark.parametrize("graph", [False, True])
+def test_native_record_equals_numpy_path(graph, monkeypatch):
+    """The C++ fill_batch_record and the numpy path write the same infos (every field, the work list included)
+    for random batches: decode, mixed, empty requests, slot -1, sorted or not."""
+    rng = np.random.default_rng(31)
+    native = BatchInfoBuilder(300, 40, *pool(), cuda_graph=graph)
+    numpy_b = BatchInfoBuilder(300, 40, *pool(), cuda_graph=graph)
+    for trial in range(60):
+        n = int(rng.integers(0, 41))
+        counts = [1] * n if trial % 3 == 0 else [int(c) for c in rng.integers(0, 20, n)]
+        slots = [int(s) for s in rng.integers(-1, pool()[0].shape[0], n)]
+        sort = bool(trial % 2)
+        if sum(counts) > 300:
+            continue
+        a = native.build(counts, slots, sort_by_adapter=sort)
+        with monkeypatch.context() as m:
+            m.setattr(batch_info, "_fill_record", None)
+            b = numpy_b.build(counts, slots, sort_by_adapter=sort)
+        for f in ("seg_lens", "seg_indptr", "weight_indices", "permutation"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (trial, f)
+        assert tiles_of(a) == tiles_of(b), trial  # entries past the tile count are not part of the list
+        assert (a.num_segments, a.max_seg_len, a.num_tokens, a.max_tiles) == (b.num_segments, b.max_seg_len,
+                                                                               b.num_tokens, b.max_tiles)
+        check_info(native, a, counts, slots, sort)
+
+
+@pytest.mark.skipif(batch_info._fill_record is None, reason="the extension (its C++ record filler) is not built")
+@pytest.mark.parametrize("counts, slots, match", [([1, 2], [0, 9], "slot 9 out of range"),
+                                                  ([1, -2], [0, 1], "must be >= 0"),
+                                                  ([1, 400], [0, 1], "exceed max_tokens"),
+                                                  ([200, 200], [0, 1], "400 tokens exceed"),
+                                                  ([1, 2**40], [0, 1], "outside int32"),
+                                                  ([1, "2"], [0, 1], "")])
+def test_native_record_rejects_bad_input(counts, slots, match):
+    builder = BatchInfoBuilder(300, 8, *pool())
+    with pytest.raises((ValueError, TypeError), match=match):
+        builder.build(counts, slots)

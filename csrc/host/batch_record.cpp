@@ -1,0 +1,200 @@
+// BatchInfoBuilder's host work in C++: Python lists of (token count, slot) per request -> the packed int32
+// record that one non-blocking copy moves to the GPU (layout in lora_kernels/batch_info.py). Written
+// against the CPython API directly: a torch op costs more in dispatch than this whole function.
+#include "host/batch_record.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace lora_kernels {
+namespace {
+
+struct Buffer {  // a writable C-contiguous int32 buffer (the staging record's numpy view)
+  Py_buffer view{};
+  bool ok = false;
+  explicit Buffer(PyObject* obj) {
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) return;
+    if (view.itemsize != 4) {
+      PyErr_SetString(PyExc_TypeError, "fill_batch_record: buffers must hold int32");
+      return;
+    }
+    ok = true;
+  }
+  ~Buffer() {
+    if (view.obj != nullptr) PyBuffer_Release(&view);
+  }
+  int32_t* data() const { return static_cast<int32_t*>(view.buf); }
+  Py_ssize_t size() const { return view.len / 4; }
+};
+
+// Reads a list or tuple of Python ints into out; false (with a Python error set) on a non-int or overflow.
+bool read_ints(PyObject* seq, const char* name, std::vector<int64_t>& out) {
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+    if (overflow != 0 || v < INT32_MIN || v > INT32_MAX) {
+      PyErr_Format(PyExc_ValueError, "%s holds values outside int32", name);
+      return false;
+    }
+    if (v == -1 && PyErr_Occurred()) return false;
+    out[i] = v;
+  }
+  return true;
+}
+
+struct Request {
+  std::vector<int64_t> counts, slots;
+};
+
+bool check(const Request& r, int64_t num_slots, int64_t max_tokens, int64_t* total, bool* ones) {
+  *total = 0;
+  *ones = !r.counts.empty();
+  for (size_t i = 0; i < r.slots.size(); ++i) {
+    if (r.slots[i] < -1 || r.slots[i] >= num_slots) {
+      PyErr_Format(PyExc_ValueError, "slot %lld out of range: slots must be -1 or in [0, %lld)",
+                   static_cast<long long>(r.slots[i]), static_cast<long long>(num_slots));
+      return false;
+    }
+  }
+  for (int64_t c : r.counts) {
+    if (c < 0) {
+      PyErr_Format(PyExc_ValueError, "seg_token_counts must be >= 0, got %lld", static_cast<long long>(c));
+      return false;
+    }
+    if (c > max_tokens) {
+      PyErr_Format(PyExc_ValueError, "%lld tokens exceed max_tokens=%lld", static_cast<long long>(c),
+                   static_cast<long long>(max_tokens));
+      return false;
+    }
+    *total += c;
+    *ones = *ones && c == 1;
+  }
+  if (*total > max_tokens) {
+    PyErr_Format(PyExc_ValueError, "%lld tokens exceed max_tokens=%lld", static_cast<long long>(*total),
+                 static_cast<long long>(max_tokens));
+    return false;
+  }
+  return true;
+}
+
+// Segments of the batch: one per request, or (sort) one per distinct slot in ascending slot order with
+// the requests' rows gathered through perm (physical row of each segmented row).
+void segments(const Request& r, bool sort, std::vector<int32_t>& seg_slot,
+              std::vector<int32_t>& seg_len, int32_t* perm) {
+  const size_t n = r.slots.size();
+  if (!sort) {
+    seg_slot.assign(r.slots.begin(), r.slots.end());
+    seg_len.assign(r.counts.begin(), r.counts.end());
+    return;
+  }
+  std::vector<int64_t> start(n);  // physical first row of each request
+  int64_t acc = 0;
+  for (size_t i = 0; i < n; ++i) {
+    start[i] = acc;
+    acc += r.counts[i];
+  }
+  std::vector<int32_t> order(n);  // stable sort of the requests by slot
+  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return r.slots[a] < r.slots[b]; });
+  int64_t row = 0;
+  for (size_t k = 0; k < n; ++k) {
+    const int32_t j = order[k];
+    if (k == 0 || r.slots[j] != r.slots[order[k - 1]]) {
+      seg_slot.push_back(static_cast<int32_t>(r.slots[j]));
+      seg_len.push_back(0);
+    }
+    seg_len.back() += static_cast<int32_t>(r.counts[j]);
+    for (int64_t t = 0; t < r.counts[j]; ++t) perm[row++] = static_cast<int32_t>(start[j] + t);
+  }
+}
+
+// [tiles | slot m | row0 m | end m | weight_indices cap | seg_lens cap | seg_indptr cap+1]
+void write_general(int32_t* rec, const std::vector<int32_t>& seg_slot, const std::vector<int32_t>& seg_len,
+                   int64_t m, int64_t cap, int64_t tile_m) {
+  const int64_t k = static_cast<int64_t>(seg_slot.size());
+  int32_t* wi = rec + 1 + 3 * m;
+  int32_t* lens = wi + cap;
+  int32_t* indptr = lens + cap;
+  int64_t tiles = 0, row = 0;
+  indptr[0] = 0;
+  for (int64_t s = 0; s < cap; ++s) {
+    const int32_t len = s < k ? seg_len[s] : 0;
+    wi[s] = s < k ? seg_slot[s] : -1;
+    lens[s] = len;
+    for (int64_t r0 = row; r0 < row + len; r0 += tile_m, ++tiles) {
+      rec[1 + tiles] = wi[s];
+      rec[1 + m + tiles] = static_cast<int32_t>(r0);
+      rec[1 + 2 * m + tiles] = static_cast<int32_t>(row + len);
+    }
+    row += len;
+    indptr[s + 1] = static_cast<int32_t>(row);
+  }
+  rec[0] = static_cast<int32_t>(tiles);
+}
+
+int64_t tile_count(const std::vector<int32_t>& seg_len, int64_t tile_m) {
+  int64_t tiles = 0;
+  for (int32_t len : seg_len) tiles += (len + tile_m - 1) / tile_m;
+  return tiles;
+}
+
+PyObject* fill_batch_record(PyObject*, PyObject* args) {
+  PyObject *counts_obj, *slots_obj, *rec_obj, *perm_obj;
+  long long num_slots, max_tokens, graph_cap, graph_mt, dec_rows, tile_m;
+  int sort;
+  if (!PyArg_ParseTuple(args, "OOOOLLpLLLL", &counts_obj, &slots_obj, &rec_obj, &perm_obj, &num_slots, &max_tokens,
+                        &sort, &graph_cap, &graph_mt, &dec_rows, &tile_m))
+    return nullptr;
+  PyObject* counts_seq = PySequence_Fast(counts_obj, "seg_token_counts must be a list or tuple");
+  if (counts_seq == nullptr) return nullptr;
+  PyObject* slots_seq = PySequence_Fast(slots_obj, "slots must be a list or tuple");
+  if (slots_seq == nullptr) {
+    Py_DECREF(counts_seq);
+    return nullptr;
+  }
+  Request r;
+  bool read = read_ints(counts_seq, "seg_token_counts", r.counts) && read_ints(slots_seq, "slots", r.slots);
+  Py_DECREF(counts_seq);
+  Py_DECREF(slots_seq);
+  if (!read) return nullptr;
+  int64_t total;
+  bool ones;
+  if (!check(r, num_slots, max_tokens, &total, &ones)) return nullptr;
+  Buffer rec(rec_obj), perm(perm_obj);
+  if (!rec.ok || !perm.ok) return nullptr;
+  const int64_t n = static_cast<int64_t>(r.slots.size());
+  if (!sort && ones && n <= dec_rows) {  // graph-mode pure decode: [n | slots padded with -1 to graph_cap]
+    if (rec.size() < graph_cap + 1) return PyErr_Format(PyExc_ValueError, "fill_batch_record: record too short");
+    rec.data()[0] = static_cast<int32_t>(n);
+    for (int64_t i = 0; i < graph_cap; ++i) rec.data()[1 + i] = i < n ? static_cast<int32_t>(r.slots[i]) : -1;
+    return Py_BuildValue("(iL)", 0, static_cast<long long>(n));
+  }
+  if (sort && perm.size() < total) return PyErr_Format(PyExc_ValueError, "fill_batch_record: perm too short");
+  std::vector<int32_t> seg_slot, seg_len;
+  segments(r, sort, seg_slot, seg_len, perm.data());
+  const int64_t k = static_cast<int64_t>(seg_slot.size());
+  const int64_t tiles = tile_count(seg_len, tile_m);
+  const int64_t m = graph_mt > 0 ? graph_mt : std::max<int64_t>(tiles, 1);
+  const int64_t cap = graph_cap > 0 ? graph_cap : std::max<int64_t>(k, 1);
+  if (tiles > m || rec.size() < 1 + 3 * m + 3 * cap + 1)
+    return PyErr_Format(PyExc_ValueError, "fill_batch_record: record too short");
+  write_general(rec.data(), seg_slot, seg_len, m, cap, tile_m);
+  int32_t max_len = 0;
+  for (int32_t len : seg_len) max_len = std::max(max_len, len);
+  return Py_BuildValue("(iLiLLLL)", 1, static_cast<long long>(k), max_len, static_cast<long long>(total),
+                       static_cast<long long>(tiles), static_cast<long long>(m), static_cast<long long>(cap));
+}
+
+}  // namespace
+
+PyMethodDef host_methods[] = {
+    {"fill_batch_record", fill_batch_record, METH_VARARGS,
+     "fill_batch_record(counts, slots, rec, perm, num_slots, max_tokens, sort, graph_cap, graph_mt, dec_rows, "
+     "tile_m) -> (0, n) for a graph-mode decode record, else (1, segments, max_len, total, tiles, m, cap)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace lora_kernels

@@ -1,0 +1,8 @@
+// Host-side helpers of the Python module lora_kernels._C (plain CPython functions, no torch dispatch).
+#pragma once
+#include <Python.h>
+
+namespace lora_kernels {
+// The method table of lora_kernels._C: fill_batch_record (batch_record.cpp).
+extern PyMethodDef host_methods[];
+}  // namespace lora_kernels
