@@ -140,6 +140,12 @@ class GroupShard:
         lo, hi = self.cols
         return t if (lo, hi) == (0, t.shape[-1]) else t[..., lo:hi].contiguous()
 
+    def take_outputs(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full output [..., out_total] of the group (its output columns), contiguous."""
+        if len(self.rows) == 1 and self.rows[0] == (0, t.shape[-1]):
+            return t
+        return torch.cat([t[..., lo:hi] for lo, hi in self.rows], dim=-1)
+
     def take_weight(self, w: torch.Tensor) -> torch.Tensor:
         """This rank's block of the base layer's full weight [out_total, in_dim] (for tests and examples)."""
         return self.take_cols(self.take_rows(w))
