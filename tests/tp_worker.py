@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lora_kernels as lk  # noqa: E402
 from lora_kernels.adapters import AdapterLoader, GpuAdapterPool, HostAdapterStore, ModelSpec  # noqa: E402
-from lora_kernels.adapters.tp import group_shards, shard_spec  # noqa: E402
+from lora_kernels.adapters.tp import ROW_PARALLEL, group_shards, shard_spec  # noqa: E402
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -317,11 +317,10 @@ def llama_reference(spec, folders, xs, bases, batch, device) -> dict:
             + lora_delta64(spec, adapters, counts, names, layer, group, x.double()) for (layer, group), x in xs.items()}
 
 
-def gather_columns(t: torch.Tensor, spec, group: str, world: int) -> torch.Tensor:
-    """The full [T, out_total] from every rank's column shard (NCCL all_gather), placed by the shard rules."""
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t)
-    full = torch.empty(t.shape[0], spec.group(group).out_total, dtype=t.dtype, device=t.device)
+def place_columns(parts: list[torch.Tensor], spec, group: str) -> torch.Tensor:
+    """The full [T, out_total] output from every rank's column shard, placed by the shard rules."""
+    world = len(parts)
+    full = torch.empty(parts[0].shape[0], spec.group(group).out_total, dtype=parts[0].dtype, device=parts[0].device)
     for k, part in enumerate(parts):
         col = 0
         for lo, hi in group_shards(shard_spec(spec, k, world))[group].rows:
@@ -330,47 +329,94 @@ def gather_columns(t: torch.Tensor, spec, group: str, world: int) -> torch.Tenso
     return full
 
 
-def check_llama(root: Path, rank: int, world: int, device: str = "cuda") -> dict:
+def llama_inputs(spec, family: str, device: str):
+    """(batches, x per (layer, group), base output per (layer, group)): full-size, the same on every rank."""
+    batches = llama_batches(family)
+    T = sum(batches[0][0])
+    gen = torch.Generator(device).manual_seed(11)
+    xs, bases = {}, {}
+    for layer in range(spec.layers):
+        for g in spec.groups:
+            xs[(layer, g.name)] = torch.randn(T, g.in_dim, generator=gen, device=device).bfloat16()
+            bases[(layer, g.name)] = (torch.randn(T, g.out_total, generator=gen, device=device) * 0.05).bfloat16()
+    return batches, xs, bases
+
+
+def llama_rank_outputs(spec, folders, rank: int, world: int, device: str, batches, xs, bases) -> dict:
+    """One rank's outputs (its output columns, or its row-parallel partial sums) for batches[1], graph replay."""
+    gs = group_shards(shard_spec(spec, rank, world)) if world > 1 else None
+    xs2, bases2 = {}, {}
+    for key, x in xs.items():
+        row = key[1] in ROW_PARALLEL
+        xs2[key] = gs[key[1]].take_cols(x) if row and gs else x
+        # row-parallel: each rank adds its LoRA part to 1/world of the base output (exact in bf16 at TP=2),
+        # the all-reduce then sums base and LoRA parts, as a serving engine's o/down projections do
+        bases2[key] = bases[key] / world if row else gs[key[1]].take_outputs(bases[key]) if gs else bases[key]
+    pool, loader = llama_loaders(spec, folders, rank, world, device)
+    return GraphedLoRA(pool, loader, xs2, bases2, batches).replay(batches[1])
+
+
+def llama_errors(full: dict, tp1: dict, ref: dict, bases: dict, family: str) -> dict:
+    """Errors of the combined TP outputs against TP=1 and of both LoRA deltas against float64; checked."""
+    errs = {}
+    for key, out in full.items():
+        delta_ref = ref[key] - bases[key].double()
+        e = {"tp_vs_tp1": rel(out, tp1[key]), "tp_vs_fp64": rel(out.double() - bases[key].double(), delta_ref),
+             "tp1_vs_fp64": rel(tp1[key].double() - bases[key].double(), delta_ref)}
+        assert torch.isfinite(out).all(), (family, key)
+        assert max(e.values()) <= 1e-2, (family, key, e)
+        errs[f"{key[0]}.{key[1]}"] = e
+    return errs
+
+
+def llama_setup(root: Path, device: str, write: bool):
     spec = ModelSpec.preset("llama3-8b", layers=2)
     folders = {n: root / "llama" / n for n in LLAMA_ADAPTERS}
-    if rank == 0:
+    if write:
         for seed, (n, cfg) in enumerate(LLAMA_ADAPTERS.items()):
             write_peft(folders[n], spec, *cfg, seed=200 + seed, device=device)
+    return spec, folders
+
+
+def check_llama(root: Path, rank: int, world: int, device: str = "cuda") -> dict:
+    """Each rank computes its shard; column outputs are all-gathered and row-parallel ones all-reduced."""
+    spec, folders = llama_setup(root, device, write=rank == 0)
     dist.barrier()
-    shard = shard_spec(spec, rank, world)
-    gs = group_shards(shard) if world > 1 else None
     results = {}
     for family in ("decode", "prefill"):
-        batches = llama_batches(family)
-        T = sum(batches[0][0])
-        gen = torch.Generator(device).manual_seed(11)
-        xs, bases = {}, {}
-        for layer in range(spec.layers):
-            for g in spec.groups:
-                xs[(layer, g.name)] = torch.randn(T, g.in_dim, generator=gen, device=device).bfloat16()
-                bases[(layer, g.name)] = (torch.randn(T, g.out_total, generator=gen, device=device) * 0.05).bfloat16()
-        tp1 = GraphedLoRA(*llama_loaders(spec, folders, 0, 1, device), xs, bases, batches).replay(batches[1])
-        xs2, bases2 = {}, {}
-        for key, x in xs.items():
-            row = key[1] in ("o_proj", "down_proj")
-            xs2[key] = gs[key[1]].take_cols(x) if row and gs else x
-            # row-parallel: each rank adds its LoRA part to half the base output (exact in bf16), then all-reduce
-            bases2[key] = bases[key] / world if row else gs[key[1]].take_outputs(bases[key]) if gs else bases[key]
-        tp2 = GraphedLoRA(*llama_loaders(spec, folders, rank, world, device), xs2, bases2, batches).replay(batches[1])
-        ref = llama_reference(spec, folders, xs, bases, batches[1], device)
-        errs = {}
-        for key, out in tp2.items():
-            if key[1] in ("o_proj", "down_proj"):
+        batches, xs, bases = llama_inputs(spec, family, device)
+        tp1 = llama_rank_outputs(spec, folders, 0, 1, device, batches, xs, bases)
+        mine = llama_rank_outputs(spec, folders, rank, world, device, batches, xs, bases)
+        full = {}
+        for key, out in mine.items():
+            if key[1] in ROW_PARALLEL:
                 dist.all_reduce(out)
-            elif world > 1:
-                out = gather_columns(out, spec, key[1], world)
-            delta_ref = ref[key] - bases[key].double()
-            e = {"tp_vs_tp1": rel(out, tp1[key]), "tp_vs_fp64": rel(out.double() - bases[key].double(), delta_ref),
-                 "tp1_vs_fp64": rel(tp1[key].double() - bases[key].double(), delta_ref)}
-            assert torch.isfinite(out).all(), (family, key)
-            assert max(e.values()) <= 1e-2, (family, key, e)
-            errs[f"{key[0]}.{key[1]}"] = e
-        results[family] = errs
+                full[key] = out
+            else:
+                parts = [torch.empty_like(out) for _ in range(world)]
+                dist.all_gather(parts, out)
+                full[key] = place_columns(parts, spec, key[1])
+        ref = llama_reference(spec, folders, xs, bases, batches[1], device)
+        results[family] = llama_errors(full, tp1, ref, bases, family)
+    return results
+
+
+def emulate_llama(root: Path, world: int, device: str = "cuda") -> dict:
+    """`check_llama` for every rank in this one process, on one device (no collectives: the partial sums
+    are added in fp32 and rounded once, as NCCL's bf16 all-reduce of two ranks does)."""
+    spec, folders = llama_setup(root, device, write=True)
+    results = {}
+    for family in ("decode", "prefill"):
+        batches, xs, bases = llama_inputs(spec, family, device)
+        tp1 = llama_rank_outputs(spec, folders, 0, 1, device, batches, xs, bases)
+        ranks = [llama_rank_outputs(spec, folders, k, world, device, batches, xs, bases) for k in range(world)]
+        full = {}
+        for key in tp1:
+            parts = [r[key] for r in ranks]
+            full[key] = (torch.stack([p.float() for p in parts]).sum(0).to(parts[0].dtype)
+                         if key[1] in ROW_PARALLEL else place_columns(parts, spec, key[1]))
+        ref = llama_reference(spec, folders, xs, bases, batches[1], device)
+        results[family] = llama_errors(full, tp1, ref, bases, family)
     return results
 
 
