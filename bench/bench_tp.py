@@ -56,14 +56,15 @@ class Case:
     batch: int
     pop: str  # distinct | uniform
     num_slots: int
+    seq: int = 1024  # tokens per prefill request
 
     @property
     def name(self) -> str:
-        return f"r{RANK} {self.kind} {self.batch}x{1024 if self.kind == 'prefill' else 1} {self.pop}"
+        return f"r{RANK} {self.kind} {self.batch}x{self.seq if self.kind == 'prefill' else 1} {self.pop}"
 
     def batch_lists(self, seed: int = 0) -> tuple[list[int], list[int]]:
         rng = np.random.default_rng(seed)
-        counts = [1024 if self.kind == "prefill" else 1] * self.batch
+        counts = [self.seq if self.kind == "prefill" else 1] * self.batch
         if self.pop == "distinct":
             slots = [int(s) for s in rng.permutation(self.num_slots)[: self.batch]]
         else:

@@ -32,8 +32,10 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(bench_tp, "DEVICE", "cpu")
     monkeypatch.setattr(bench_tp, "FULL", TINY)
     monkeypatch.setattr(bench_tp, "RANK", 4)
+    monkeypatch.setattr(bench_tp, "DTYPE", torch.float32)  # bf16 matmuls are slow on the CPU
+    monkeypatch.setattr(bench_tp, "ROTATE_BYTES", 1)  # one buffer set per module
     monkeypatch.setattr(bench_tp, "CASES", (bench_tp.Case("decode", 4, "distinct", 4),
-                                            bench_tp.Case("prefill", 2, "distinct", 2)))
+                                            bench_tp.Case("prefill", 2, "distinct", 2, seq=24)))
 
     def fake_graph(fns, inner=1, warmup=0, reps=0):
         for f in fns:
