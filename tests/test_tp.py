@@ -205,6 +205,46 @@ def test_store_pool_loader_per_rank(folders):
         AdapterLoader(other_pool, mixed_store)
 
 
+def _write_fused(folder: Path, spec: ModelSpec, r: int = 4) -> None:
+    """A PEFT folder with fused qkv_proj and gate_up_proj modules (as Phi-3 names them) plus o_proj, bf16."""
+    from safetensors.torch import save_file
+
+    gen, tensors = torch.Generator().manual_seed(9), {}
+    for layer in range(spec.layers):
+        for name, parent, g in (("qkv_proj", "self_attn", spec.group("qkv_proj")), ("o_proj", "self_attn",
+                                spec.group("o_proj")), ("gate_up_proj", "mlp", spec.group("gate_up_proj"))):
+            key = f"base_model.model.model.layers.{layer}.{parent}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, g.in_dim, generator=gen).bfloat16()
+            tensors[f"{key}.lora_B.weight"] = torch.randn(g.out_total, r, generator=gen).bfloat16()
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": ["qkv_proj", "o_proj", "gate_up_proj"]}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_reads_each_rank_exactly_its_shard(tmp_path, dtype):
+    """The host store's read of a folder (file dtype or cast; rank/alpha patterns; missing slices and groups;
+    fused modules) packs, block for block, what packing the shard of the full read gives."""
+    for label, spec in tp_worker.TINY_SPECS.items():
+        paths = {"fused": tmp_path / label / "fused"}
+        _write_fused(paths["fused"], spec)
+        for seed, (name, cfg) in enumerate(tp_worker.TINY_ADAPTERS.items()):
+            paths[name] = tmp_path / label / name
+            tp_worker.write_peft(paths[name], spec, *cfg, seed=seed)
+        for k in range(2):
+            s = shard_spec(spec, k, 2)
+            store = HostAdapterStore(spec, dtype, pin=False, tp_rank=k, tp_size=2)
+            for name, path in paths.items():
+                store.register_path(name, path)
+                got = store.get(name)
+                want = pack_adapter(name, shard_adapter(load_peft_adapter(path, spec, dtype=dtype), s), s, dtype,
+                                    pin=False)
+                assert got.layout == want.layout and torch.equal(got.header, want.header), name
+                for key in want.layout:
+                    assert torch.equal(got.a[key], want.a[key]) and torch.equal(got.b[key], want.b[key]), (name, key)
+
+
 def test_shard_packed_equals_packing_the_shard(folders):
     full = load_peft_adapter(folders["a2"], TINY)  # q, v only: a missing slice and missing groups
     packed = pack_adapter("a2", full, TINY, torch.float32, pin=False)
