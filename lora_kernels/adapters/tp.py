@@ -223,10 +223,88 @@ def shard_packed(packed, shard: ShardSpec, pin: bool | None = None):
     return pack_adapter(packed.adapter_id, w, shard, packed.dtype, pin)
 
 
+def _module_rows(shard: ShardSpec, gs: GroupShard, m, i: int) -> tuple[int, int]:
+    """Rows [r0, r1) of module m's file B that slice i of this rank holds (m.sl None: a fused module, whose B
+    spans the whole group)."""
+    base = 0 if m.sl is None else shard.full.group(m.group).slice_offsets[m.sl]
+    return gs.rows[i][0] - base, gs.rows[i][1] - base
+
+
+def read_plan(plan, shard: ShardSpec, blocks, dtype: torch.dtype):
+    """`reader._read_plan` for a tensor-parallel rank: the byte-level reads that fill a buffer laid out for
+    `shard` from the full file `plan` (made for `shard.full`) describes, reading only this rank's bytes: one
+    range per B slice (its rows), one per A row in row-parallel groups (its columns). Cached on the plan
+    per (dtype, shard): one plan serves every rank of a process."""
+    from lora_kernels.adapters.reader import _ReadPlan
+
+    rp = plan.reads.get((dtype, shard))
+    if rp is not None:
+        return rp
+    rp, rank, es, covered, shards = _ReadPlan(), plan.rank, blocks.esize, set(), group_shards(shard)
+    for m in plan.modules:
+        g, gs = shard.group(m.group), shards[m.group]
+        a_off, b_off = blocks.a[(m.layer, m.group)].offset, blocks.b[(m.layer, m.group)].offset
+        row_a, full_in, (c0, c1) = g.in_dim * es, shard.full.group(m.group).in_dim, gs.cols
+        for i in range(g.num_slices) if m.sl is None else (m.sl,):
+            covered.add((m.layer, m.group, i))
+            dst = a_off + i * rank * row_a
+            if m.a.dtype != dtype:
+                pass  # staged below, once per module
+            elif (c0, c1) == (0, full_in):
+                rp.direct.append((m.a.begin, dst, m.rank * row_a))
+            else:
+                rp.direct += [(m.a.begin + (j * full_in + c0) * es, dst + j * row_a, row_a) for j in range(m.rank)]
+            if m.rank < rank:
+                rp.zero.append((dst + m.rank * row_a, (rank - m.rank) * row_a))
+            if m.rank == rank and m.factor == 1.0 and m.b.dtype == dtype:
+                r0, r1 = _module_rows(shard, gs, m, i)
+                rp.direct.append((m.b.begin + r0 * rank * es, b_off + g.slice_offsets[i] * rank * es,
+                                  (r1 - r0) * rank * es))
+        if m.a.dtype != dtype:
+            rp.staged.append((m, True))
+        if not (m.rank == rank and m.factor == 1.0 and m.b.dtype == dtype):
+            rp.staged.append((m, False))
+    for layer, gname in plan.keys:  # slices of a targeted group the adapter lacks: zero A rows and B rows
+        g = shard.group(gname)
+        a_off, b_off = blocks.a[(layer, gname)].offset, blocks.b[(layer, gname)].offset
+        for i in range(g.num_slices):
+            if (layer, gname, i) not in covered:
+                rp.zero.append((a_off + i * rank * g.in_dim * es, rank * g.in_dim * es))
+                lo, hi = g.slice_offsets[i], g.slice_offsets[i + 1]
+                rp.zero.append((b_off + lo * rank * es, (hi - lo) * rank * es))
+    rp.direct.sort()  # file order: sequential reads
+    plan.reads[(dtype, shard)] = rp
+    return rp
+
+
+def read_staged(fd: int, plan, shard: ShardSpec, packed, dtype: torch.dtype, m, is_a: bool) -> None:
+    """`reader._read_staged` for a tensor-parallel rank: the whole file tensor through a temporary (cast,
+    rescaled in float64 for B), then this rank's columns of A / rows of B into place (B's columns beyond the
+    module rank zeroed)."""
+    from lora_kernels.adapters.reader import _mv, _pread_all
+
+    g, gs, rank = shard.group(m.group), group_shards(shard)[m.group], plan.rank
+    e = m.a if is_a else m.b
+    tmp = torch.empty(e.shape, dtype=e.dtype)
+    _pread_all(fd, [(e.begin, _mv(tmp))], plan.weights_path, 1)
+    slices = range(g.num_slices) if m.sl is None else (m.sl,)
+    if is_a:
+        a = packed.a[(m.layer, m.group)].view(dtype).view(g.num_slices * rank, g.in_dim)
+        for i in slices:
+            a[i * rank:i * rank + m.rank].copy_(gs.take_cols(tmp))  # casts: one rounding, as via float64
+        return
+    b = packed.b[(m.layer, m.group)].view(dtype).view(g.out_total, rank)
+    for i in slices:
+        (r0, r1), lo, hi = _module_rows(shard, gs, m, i), g.slice_offsets[i], g.slice_offsets[i + 1]
+        b[lo:hi, :m.rank].copy_(tmp[r0:r1] if m.factor == 1.0 else tmp[r0:r1].double() * m.factor)
+        b[lo:hi, m.rank:].zero_()
+
+
 def adapter_bytes(spec: ModelSpec, rank: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of one adapter of `rank` targeting every group, for the model (or shard) `spec`."""
     return spec.adapter_numel(rank) * torch.empty((), dtype=dtype).element_size()
 
 
 __all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "GroupShard", "ShardSpec", "adapter_bytes", "full_spec",
-           "group_shards", "shard_adapter", "shard_packed", "shard_spec", "split_spec", "tp_of", "unpack_adapter"]
+           "group_shards", "read_plan", "read_staged", "shard_adapter", "shard_packed", "shard_spec", "split_spec",
+           "tp_of", "unpack_adapter"]
