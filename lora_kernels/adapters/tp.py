@@ -300,11 +300,58 @@ def read_staged(fd: int, plan, shard: ShardSpec, packed, dtype: torch.dtype, m, 
         b[lo:hi, m.rank:].zero_()
 
 
+def init_from_torchrun(tp_size: int, device: str) -> tuple[int, int]:
+    """(tp_rank, tp_size) of this process, one of `tp_size` started by torchrun, with the default process
+    group initialized (NCCL for `device` cuda, on the GPU LOCAL_RANK; gloo for cpu)."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp_size:
+        raise ValueError(f"--tp {tp_size} needs {tp_size} processes started by torchrun (torchrun "
+                         f"--nproc-per-node {tp_size} ...), found WORLD_SIZE={world}")
+    if not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def agree_max(*values: float) -> tuple[float, ...]:
+    """Each value's largest over the ranks of the default process group (unchanged without one): a TP step
+    takes as long as its slowest rank, and every rank's scheduler must decide from the same times."""
+    if _group_size() == 1:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(t.tolist())
+
+
+def rank0_first(fn):
+    """fn() on rank 0, then on the other ranks (a cache rank 0 fills and the others reuse)."""
+    if _group_size() == 1:
+        return fn()
+    import torch.distributed as dist
+
+    out = fn() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out if dist.get_rank() == 0 else fn()
+
+
 def adapter_bytes(spec: ModelSpec, rank: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of one adapter of `rank` targeting every group, for the model (or shard) `spec`."""
     return spec.adapter_numel(rank) * torch.empty((), dtype=dtype).element_size()
 
 
-__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "GroupShard", "ShardSpec", "adapter_bytes", "full_spec",
-           "group_shards", "read_plan", "read_staged", "shard_adapter", "shard_packed", "shard_spec", "split_spec",
-           "tp_of", "unpack_adapter"]
+__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "GroupShard", "ShardSpec", "adapter_bytes", "agree_max", "full_spec",
+           "group_shards", "init_from_torchrun", "rank0_first", "read_plan", "read_staged", "shard_adapter",
+           "shard_packed", "shard_spec", "split_spec", "tp_of", "unpack_adapter"]
