@@ -23,6 +23,7 @@ import torch
 from lora_kernels.adapters.layout import HEADER_BYTES, PackedAdapter, alloc_buffer, pack_adapter
 from lora_kernels.adapters.peft import AdapterWeights
 from lora_kernels.adapters.spec import ModelSpec
+from lora_kernels.adapters.tp import full_spec, shard_spec
 
 __all__ = ["HEADER_BYTES", "HostAdapterStore", "PackedAdapter", "alloc_buffer", "pack_adapter"]
 
@@ -38,11 +39,11 @@ class HostAdapterStore:
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16, capacity_bytes: int | None = None,
                  pin: bool | None = None, max_rank: int | None = None, check_finite: bool = False,
-                 read_threads: int = 4):
+                 read_threads: int = 4, tp_rank: int = 0, tp_size: int = 1):
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool)
                                            or capacity_bytes < 1):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
-        self.spec = spec
+        self.spec = shard_spec(spec, tp_rank, tp_size)  # a TP rank packs only its shard (adapters/tp.py)
         self.dtype = dtype
         self.capacity_bytes = capacity_bytes
         self.pin = torch.cuda.is_available() if pin is None else pin
@@ -116,7 +117,7 @@ class HostAdapterStore:
         if path is None:
             raise KeyError(f"adapter {adapter_id!r} is not in the host store (register it first)")
         try:
-            plan = plan_peft_adapter(path, self.spec, max_rank=self.max_rank)
+            plan = plan_peft_adapter(path, full_spec(self.spec), max_rank=self.max_rank)  # checks: the full model
             need = planned_nbytes(plan, self.spec, self.dtype, self.pin)
             if self.capacity_bytes is not None and need > self.capacity_bytes:
                 raise ValueError(f"adapter {adapter_id!r} ({path}) needs {need} bytes of host memory, above the "

@@ -215,7 +215,8 @@ class AdapterLoader(_SlotTable):
     def __init__(self, pool: GpuAdapterPool, store: HostAdapterStore, load_stream: torch.cuda.Stream | None = None,
                  backend: str = "auto"):
         if store.spec != pool.spec or store.dtype != pool.dtype:
-            raise ValueError(f"store ({store.spec}, {store.dtype}) and pool ({pool.spec}, {pool.dtype}) differ")
+            raise ValueError(f"store ({store.spec}, {store.dtype}) and pool ({pool.spec}, {pool.dtype}) differ "
+                             f"(under tensor parallelism both take this rank's tp_rank, tp_size)")
         self.pool, self.store, self.backend = pool, store, backend
         self.is_cuda = pool.device.type == "cuda"
         self.load_stream = None

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from lora_kernels.adapters import tp as _tp
 from lora_kernels.adapters.spec import ModelSpec
 
 CONFIG_NAME = "adapter_config.json"
@@ -438,8 +439,11 @@ def _assemble(plan: AdapterPlan, spec: ModelSpec, tensors: dict[str, torch.Tenso
 
 
 def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype | None = None,
-                      max_rank: int | None = None) -> AdapterWeights:
+                      max_rank: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> AdapterWeights:
     """Reads a PEFT LoRA folder into `AdapterWeights` for a base model of shape `spec`.
+
+    tp_rank, tp_size (or a `tp.ShardSpec` as `spec`): return only this tensor-parallel rank's shard
+    (adapters/tp.py), checked against the full model's shapes.
 
     dtype: the weights' dtype (default: the file's); max_rank: the pool's max rank, checked here so
     that a too-large adapter fails at load with its tensor named. Raises AdapterFormatError (a
@@ -448,6 +452,7 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype |
     `max_rank`, a dtype that cannot be converted to floating point, or non-finite values.
     (The host store's direct reader, `reader.read_packed`, shares the checks but the finite one.)
     """
+    spec, shard = _tp.split_spec(spec, tp_rank, tp_size)  # full model for the checks
     plan = plan_peft_adapter(path, spec, max_rank=max_rank)
     tensors = _read_tensors(plan)
     for m in plan.modules:
@@ -458,4 +463,5 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, dtype: torch.dtype |
     out_dtype = dtype or plan.file_dtype
     if out_dtype not in _FLOAT_DTYPES:
         raise AdapterFormatError(f"dtype must be one of {_FLOAT_DTYPES}, got {out_dtype}")
-    return _assemble(plan, spec, tensors, out_dtype)
+    w = _assemble(plan, spec, tensors, out_dtype)
+    return w if shard is None else _tp.shard_adapter(w, shard)

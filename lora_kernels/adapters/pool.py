@@ -17,15 +17,19 @@ from __future__ import annotations
 import torch
 
 from lora_kernels.adapters.spec import ModelSpec, ModuleGroup
+from lora_kernels.adapters.tp import shard_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class GpuAdapterPool:
-    """Fixed-size slot storage for `num_slots` adapters of rank ≤ `max_rank` (CUDA or CPU device)."""
+    """Fixed-size slot storage for `num_slots` adapters of rank ≤ `max_rank` (CUDA or CPU device); with
+    (tp_rank, tp_size), this rank's shard of each (`spec` is then a `tp.ShardSpec`)."""
 
     def __init__(self, model_spec: ModelSpec, num_slots: int, max_rank: int, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cuda"):
+                 device: torch.device | str = "cuda", tp_rank: int = 0, tp_size: int = 1):
+        # Tensor parallelism: the pool holds this rank's shard, whose shapes are those of a smaller model.
+        model_spec = shard_spec(model_spec, tp_rank, tp_size)
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not 1 <= max_rank <= 256:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from lora_kernels.adapters import layout as lay
+from lora_kernels.adapters import tp as _tp
 from lora_kernels.adapters.layout import PackedAdapter, alloc_buffer, wrap_buffer
 from lora_kernels.adapters.peft import AdapterFormatError, AdapterPlan, ModuleRead, plan_peft_adapter
 from lora_kernels.adapters.spec import ModelSpec
@@ -61,7 +62,7 @@ def read_packed(adapter_id: str, path: str | Path, spec: ModelSpec, dtype: torch
                 plan: AdapterPlan | None = None) -> PackedAdapter:
     """Reads the PEFT folder `path` into a packed buffer (see the module docstring). Raises AdapterFormatError
     naming the adapter's file (and tensor) when the folder is missing, truncated or inconsistent."""
-    plan = plan or plan_peft_adapter(path, spec, max_rank=max_rank)
+    plan = plan or plan_peft_adapter(path, _tp.full_spec(spec), max_rank=max_rank)  # a TP shard: the full model
     blocks = lay.packed_layout(spec, plan.rank, plan.keys, dtype.itemsize)
     buf = alloc_buffer(blocks.nbytes, pin)
     packed = wrap_buffer(adapter_id, blocks, buf, plan.scaling, dtype, pin)
@@ -87,6 +88,8 @@ class _ReadPlan:
 
 
 def _read_plan(plan: AdapterPlan, spec: ModelSpec, blocks: lay.PackedLayout, dtype: torch.dtype) -> _ReadPlan:
+    if isinstance(spec, _tp.ShardSpec):  # a tensor-parallel rank reads only its rows and columns
+        return _tp.read_plan(plan, spec, blocks, dtype)
     rp = plan.reads.get(dtype)
     if rp is not None:
         return rp
@@ -159,6 +162,8 @@ def _read_staged(fd: int, plan: AdapterPlan, spec: ModelSpec, packed: PackedAdap
                  m: ModuleRead, is_a: bool) -> None:
     """One tensor through a temporary of the file's dtype: cast (A), or cast, rescale in float64 and place
     into B's first m.rank columns, zeroing the rest (B)."""
+    if isinstance(spec, _tp.ShardSpec):
+        return _tp.read_staged(fd, plan, spec, packed, dtype, m, is_a)
     g, rank = spec.group(m.group), plan.rank
     e = m.a if is_a else m.b
     tmp = torch.empty(e.shape, dtype=e.dtype)

@@ -69,6 +69,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--plot", default=None, metavar="OUT.png",
       help="write the ratios to the oracle against load with CI bands to OUT.png, and a timeline + latency CDF "
            "picture of one run per popularity beside it (matplotlib)")
+    a("--tp", type=int, default=1, help="tensor-parallel ranks: start with torchrun --nproc-per-node N; each rank "
+                                        "runs its shard of the base layers and adapters, rank 0 prints")
     a("--no-progress", action="store_true")
     p.set_defaults(func=serve_sim)
     return p
@@ -93,7 +95,7 @@ def _config(args):
                      policies=policies, dtype=args.dtype,
                      device=args.device, backend=args.backend, adapter_dir=args.adapter_dir,
                      cache_dir=args.cache_dir, seed=args.seed, check=not args.no_check,
-                     check_backends=tuple(b.strip() for b in args.check_backends.split(",")))
+                     check_backends=tuple(b.strip() for b in args.check_backends.split(",")), tp=args.tp)
 
 
 def _print_header(rep) -> None:
@@ -112,6 +114,9 @@ def _print_header(rep) -> None:
         print(f"host memory: {h['budget_mb']:.1f} MB of {h['adapters_mb']:.1f} MB of packed adapters (--host-budget "
               f"{c.host_budget}, ~{h['budget_adapters']:.1f} adapters, LRU); the others are read from their PEFT "
               f"folders on demand")
+    if c.tp > 1:
+        print(f"tensor parallel: {c.tp} ranks, each with its shard of the base layers and adapters (loads move the "
+              f"shard); a step or a load takes its slowest rank's time; the base layers' all-reduces are not run")
     timer = "CUDA events" if c.device.startswith("cuda") else "CPU time"
     print(f"clock: simulated, advanced by each step's measured time ({timer}); a load = host stage (folder read + "
           f"pack, wall time on a worker thread; host workers: {h.get('workers', 1)}) then copy ({timer}, one copy engine); "
@@ -143,10 +148,20 @@ def _print_report(rep) -> None:
 
 
 def serve_sim(args) -> int:
+    rank = 0
     try:
         from lora_kernels.serve_sim.run import run_sim
 
-        rep = run_sim(_config(args), progress=not (args.no_progress or args.json))
+        if args.tp > 1:  # one process per rank under torchrun; the ranks agree on every measured time
+            import torch
+
+            from lora_kernels.adapters.tp import init_from_torchrun
+
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            rank, _ = init_from_torchrun(args.tp, device)
+        rep = run_sim(_config(args), progress=rank == 0 and not (args.no_progress or args.json))
+        if rank != 0:  # rank 0 reports
+            return 0 if all(c["identical"] for c in rep.check.values() if c["backend"] == "torch") else 1
         if args.plot:
             from lora_kernels.serve_sim.plot import plot_report
 

@@ -33,6 +33,7 @@ import torch
 from lora_kernels import BatchInfoBuilder
 from lora_kernels.adapters import AdapterLoader, GpuAdapterPool, HostAdapterStore, HostStager, ModelSpec
 from lora_kernels.adapters.host_stage import HostStage
+from lora_kernels.adapters.tp import agree_max
 from lora_kernels.serve_sim.gate import LOAD_GATE_S, StepTimer
 from lora_kernels.serve_sim.model import LinearStack
 from lora_kernels.serve_sim.records import Records
@@ -88,20 +89,24 @@ class ModelEngine:
     def __init__(self, spec: ModelSpec, adapter_dirs: list[Path], *, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, backend: str | None, max_tokens: int, max_segments: int,
                  vocab: int = 4096, seed: int = 0, record: Records | None = None, host_budget: str = "all",
-                 host_workers: int | None = None, timed_layers: int | None = None):
+                 host_workers: int | None = None, timed_layers: int | None = None, tp_rank: int = 0,
+                 tp_size: int = 1):
         self.spec, self.dtype, self.device, self.backend = spec, dtype, torch.device(device), backend
         self.max_tokens, self.record = max_tokens, record
         self.is_cuda = self.device.type == "cuda"
         self.keys = [f"adapter_{k:03d}" for k in range(len(adapter_dirs))]
         self._index = {key: k for k, key in enumerate(self.keys)}
-        self.store = HostAdapterStore(spec, dtype, pin=self.is_cuda, max_rank=max_rank)
+        # Tensor parallelism (--tp): this rank's shard of the adapters and of the base layers (adapters/tp.py).
+        self.tp_size = tp_size
+        self.store = HostAdapterStore(spec, dtype, pin=self.is_cuda, max_rank=max_rank, tp_rank=tp_rank,
+                                      tp_size=tp_size)
         self._init_host_tier(adapter_dirs, host_budget)
         workers = host_workers if host_workers is not None else min(4, os.cpu_count() or 1)
         self.stager, self.host_workers = make_stager(self.store, workers)
         self._queued: list[_Load] = []  # loads whose copy is not issued yet, in issue order
-        self.pool = GpuAdapterPool(spec, num_slots, max_rank, dtype, self.device)
+        self.pool = GpuAdapterPool(spec, num_slots, max_rank, dtype, self.device, tp_rank=tp_rank, tp_size=tp_size)
         self.builder = BatchInfoBuilder(max_tokens, max_segments, self.pool.lora_ranks, self.pool.scalings)
-        self.model = LinearStack(spec, dtype, self.device, backend, vocab, seed)
+        self.model = LinearStack(self.pool.spec, dtype, self.device, backend, vocab, seed)
         self.timed_layers = timed_layers
         self.loader: AdapterLoader | None = None
         self.timer = StepTimer(self.device)
@@ -171,7 +176,7 @@ class ModelEngine:
     def load_seconds(self, handle) -> LoadTiming:
         if isinstance(handle, HostStage):
             handle.result()
-            return LoadTiming(handle.seconds, 0.0, handle.cold)
+            return LoadTiming(*agree_max(handle.seconds, 0.0), handle.cold)
         if handle.h2d is None:  # loads issued in an iteration without a step
             self._issue_queued(0.0)
         if self.is_cuda:
@@ -180,7 +185,7 @@ class ModelEngine:
             h2d_s = e0.elapsed_time(e1) * 1e-3
         else:
             h2d_s = handle.h2d
-        return LoadTiming(handle.stage.seconds, h2d_s, handle.stage.cold)
+        return LoadTiming(*agree_max(handle.stage.seconds, h2d_s), handle.stage.cold)
 
     def _issue_queued(self, gate_s: float):
         """Issues the copies of the queued loads, in issue order, once their host stages are done; on CUDA
@@ -226,4 +231,4 @@ class ModelEngine:
         self.steps += 1
         if self.record is not None:  # after the timed step, outside the clock
             self.record.record_step(plan, self.model.embed[ids], self.pool, info)
-        return StepTiming(compute_s, prep_s)
+        return StepTiming(*agree_max(compute_s, prep_s))  # TP: the slowest rank's, the same on every rank

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from lora_kernels.adapters.spec import ModelSpec
+from lora_kernels.adapters.tp import rank0_first, shard_spec
 from lora_kernels.ops import MAX_RANK, resolve_backend
 from lora_kernels.serve_sim import folders
 from lora_kernels.serve_sim.engine import ModelEngine, parse_host_budget
@@ -78,6 +79,7 @@ class SimConfig:
     sample: str = "ends"
     host_workers: int | None = None  # host-stage threads (None: min(4, cores) where the stager takes a count)
     timed_layers: int | None = None  # run and time only this many layers per step, charged x layers/timed
+    tp: int = 1  # tensor-parallel ranks (torchrun): each runs its shard of base layers and adapters (adapters/tp.py)
 
     def dist_list(self) -> tuple[str, ...]:
         return tuple(d.strip() for d in self.dist.split(","))
@@ -99,7 +101,7 @@ class SimConfig:
 def _validate_numbers(cfg: SimConfig) -> None:
     if cfg.model not in MODELS:
         raise ValueError(f"--model must be one of {sorted(MODELS)}, got {cfg.model!r}")
-    for name in ("slots", "requests", "chunk", "max_running", "max_batch_tokens", "seeds"):
+    for name in ("slots", "requests", "chunk", "max_running", "max_batch_tokens", "seeds", "tp"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     for name in ("layers", "lookahead", "host_workers", "timed_layers"):
@@ -152,6 +154,7 @@ def _validate_ranks(cfg: SimConfig) -> int:
 def validate(cfg: SimConfig) -> SimConfig:
     """Checks every option; returns cfg with defaults filled in. Raises ValueError naming the option."""
     _validate_numbers(cfg)
+    shard_spec(cfg.spec(), 0, cfg.tp)  # --tp must divide the model's heads and intermediate size
     max_rank = _validate_ranks(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -189,10 +192,11 @@ def make_trace(cfg: SimConfig, num_adapters: int, vocab: int = 4096, *, dist: st
 
 
 def make_engine(cfg: SimConfig, paths: list[Path]) -> ModelEngine:
+    tp_rank = torch.distributed.get_rank() if cfg.tp > 1 else 0
     return ModelEngine(cfg.spec(), paths, num_slots=cfg.slots, max_rank=cfg.max_rank, dtype=DTYPES[cfg.dtype],
                        device=torch.device(cfg.device), backend=cfg.backend, max_tokens=cfg.max_batch_tokens,
                        max_segments=cfg.max_running, seed=cfg.seed, host_budget=cfg.host_budget,
-                       host_workers=cfg.host_workers, timed_layers=cfg.timed_layers)
+                       host_workers=cfg.host_workers, timed_layers=cfg.timed_layers, tp_rank=tp_rank, tp_size=cfg.tp)
 
 
 def scheduler_config(cfg: SimConfig, policy: str) -> SchedulerConfig:
@@ -316,7 +320,8 @@ def run_sim(cfg: SimConfig, progress: bool = False) -> Report:
     """Validates `cfg`, prepares adapters and the engine, runs the grid; a progress bar on a terminal."""
     cfg = validate(cfg)
     with progress_bar(cfg.adapters, progress, "adapters") as bar:
-        paths = adapter_folders(cfg, lambda done, total: bar.update(done - bar.n))
+        # under --tp rank 0 fills the adapter cache first, the other ranks then reuse it
+        paths = rank0_first(lambda: adapter_folders(cfg, lambda done, total: bar.update(done - bar.n)))
     engine = make_engine(cfg, paths)
     report = Report(cfg, adapter_ranks=engine.ranks, host=host_info(engine))
     threads = torch.get_num_threads()
