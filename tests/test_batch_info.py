@@ -197,7 +197,7 @@ def test_graph_decode_copies_only_weight_indices():
     info = builder.build([1, 1, 1], [0, 2, -1])
     assert info.max_seg_len == 1 and info.num_tokens == 4 and info.num_segments == 3
     # The general buffers were not rewritten by the decode build.
-    assert builder._g_lens.tolist() == [3, 4, 0, 0]
+    assert builder._g.lens.tolist() == [3, 4, 0, 0]
     assert info.seg_lens.tolist() == [1, 1, 1, 1] and info.weight_indices.tolist() == [0, 2, -1, -1]
 
 

@@ -127,7 +127,8 @@ def expand_plan(slice_offsets: tuple, max_rank: int, dtype: torch.dtype, has_per
     offs = list(slice_offsets[1:-1]) + [out_total] * (4 - len(widths))
     ts = starts[:-1] + [total] * (4 - len(widths))
     kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, SLICES=len(widths), BLOCK_M=TILE_M, BLOCK_N=bn,
-              BLOCK_R=br, DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), num_warps=c["num_warps"], num_stages=c["num_stages"])
+              BLOCK_R=br, DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), num_warps=c["num_warps"],
+              num_stages=c["num_stages"])
     if kw["PDL"]:
         kw["launch_pdl"] = True
     plan = ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
