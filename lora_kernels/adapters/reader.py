@@ -114,7 +114,17 @@ def _read_plan(plan: AdapterPlan, spec: ModelSpec, blocks: lay.PackedLayout, dty
             rp.direct.append((m.b.begin, b_off + lo * rank * es, (hi - lo) * rank * es))
         else:
             rp.staged.append((m, False))  # also zeroes B's columns beyond the module rank
-    for layer, gname in plan.keys:  # slices of a targeted group the adapter lacks: zero A rows and B rows
+    zero_missing_slices(rp, plan, spec, blocks, covered, rank, es)
+    rp.direct.sort()  # file order: sequential reads
+    plan.reads[dtype] = rp
+    return rp
+
+
+def zero_missing_slices(rp: _ReadPlan, plan: AdapterPlan, spec: ModelSpec, blocks: lay.PackedLayout, covered,
+                        rank: int, es: int) -> None:
+    """Adds to rp.zero the A rows and B rows of the slices of a targeted group that the adapter lacks
+    (spec: the full model, or a tensor-parallel rank's shard)."""
+    for layer, gname in plan.keys:
         g = spec.group(gname)
         a_off, b_off = blocks.a[(layer, gname)].offset, blocks.b[(layer, gname)].offset
         for i in range(g.num_slices):
@@ -122,9 +132,6 @@ def _read_plan(plan: AdapterPlan, spec: ModelSpec, blocks: lay.PackedLayout, dty
                 rp.zero.append((a_off + i * rank * g.in_dim * es, rank * g.in_dim * es))
                 lo, hi = g.slice_offsets[i], g.slice_offsets[i + 1]
                 rp.zero.append((b_off + lo * rank * es, (hi - lo) * rank * es))
-    rp.direct.sort()  # file order: sequential reads
-    plan.reads[dtype] = rp
-    return rp
 
 
 def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torch.dtype, read_threads: int,

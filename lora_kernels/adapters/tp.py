@@ -235,7 +235,7 @@ def read_plan(plan, shard: ShardSpec, blocks, dtype: torch.dtype):
     `shard` from the full file `plan` (made for `shard.full`) describes, reading only this rank's bytes: one
     range per B slice (its rows), one per A row in row-parallel groups (its columns). Cached on the plan
     per (dtype, shard): one plan serves every rank of a process."""
-    from lora_kernels.adapters.reader import _ReadPlan
+    from lora_kernels.adapters.reader import _ReadPlan, zero_missing_slices
 
     rp = plan.reads.get((dtype, shard))
     if rp is not None:
@@ -264,14 +264,7 @@ def read_plan(plan, shard: ShardSpec, blocks, dtype: torch.dtype):
             rp.staged.append((m, True))
         if not (m.rank == rank and m.factor == 1.0 and m.b.dtype == dtype):
             rp.staged.append((m, False))
-    for layer, gname in plan.keys:  # slices of a targeted group the adapter lacks: zero A rows and B rows
-        g = shard.group(gname)
-        a_off, b_off = blocks.a[(layer, gname)].offset, blocks.b[(layer, gname)].offset
-        for i in range(g.num_slices):
-            if (layer, gname, i) not in covered:
-                rp.zero.append((a_off + i * rank * g.in_dim * es, rank * g.in_dim * es))
-                lo, hi = g.slice_offsets[i], g.slice_offsets[i + 1]
-                rp.zero.append((b_off + lo * rank * es, (hi - lo) * rank * es))
+    zero_missing_slices(rp, plan, shard, blocks, covered, rank, es)
     rp.direct.sort()  # file order: sequential reads
     plan.reads[(dtype, shard)] = rp
     return rp
