@@ -1,0 +1,35 @@
+"""The measured tables live in one generated module (lora_kernels/backends/tables.py); it must be exactly what
+the generator writes for its own values, with the header naming the device, date and command."""
+
+import pytest
+
+from lora_kernels.backends import auto, tables, tables_io
+
+
+def test_tables_module_is_what_the_generator_writes():
+    text = tables_io.PATH.read_text()
+    head = tables_io.header(text)
+    assert set(head) == {"device", "date", "command"}
+    assert head["command"] == tables_io.COMMAND
+    assert tables_io.render(tables.TRITON_BLOCKS, tables.AUTO, head["device"], head["date"]) == text
+
+
+def test_generator_round_trip(tmp_path):
+    blocks = {k: {**v} for k, v in tables.TRITON_BLOCKS.items()}
+    blocks["expand"]["ctas_per_sm"] = 3
+    path = tmp_path / "tables.py"
+    tables_io.write(blocks, dict(tables.AUTO), "NVIDIA H200", "2026-11-23", path)
+    ns = {}
+    exec(path.read_text(), ns)
+    assert ns["TRITON_BLOCKS"] == blocks and ns["AUTO"] == tables.AUTO
+    assert tables_io.header(path.read_text())["device"] == "NVIDIA H200"
+
+
+def test_auto_table_names_every_regime_with_a_known_backend():
+    from lora_kernels import backends
+
+    assert set(tables.AUTO) == set(tables_io.REGIMES)
+    assert set(tables.AUTO.values()) <= set(backends.NAMES)
+    with pytest.raises(ValueError, match="auto table must name a backend"):
+        tables_io.render(tables.TRITON_BLOCKS, {"decode": "triton"}, "x", "y")
+    assert {auto.regime(type("I", (), dict(num_segments=1, num_tokens=64, max_seg_len=64))())} == {"one_segment"}
