@@ -41,7 +41,9 @@ class _CopyIssuer:
 
     def __init__(self, pool: GpuAdapterPool, load_stream, backend: str):
         self.pool, self.load_stream, self.backend = pool, load_stream, backend
-        self.scatter_stream = torch.cuda.Stream(pool.device) if load_stream is not None else None
+        # High priority: the scatter kernels are a load's only SM work; queued behind a compute kernel's CTAs they
+        # would end the load long after its copies (H200: 73.9% of the load hidden at r < R against 99.3% at r = R).
+        self.scatter_stream = (torch.cuda.Stream(pool.device, priority=-1) if load_stream is not None else None)
         self._staging: torch.Tensor | None = None
         self._dst_plans: dict = {}
 
