@@ -8,19 +8,23 @@
 #include "ops/ops.h"
 
 TORCH_LIBRARY(lora_kernels, m) {
-  // v[perm(i), s*R + j] = sum_k x[perm(i), k] * lora_a[slot(i), s*R + j, k] for j < rank(slot), else 0.
+  // The batch is the builder's work list (lora_kernels/batch_info.py): work = int32[1 + 3*max_tiles],
+  // tiles of <= 64 rows of one segment: (slot, first segmented row, segment end); segmented row i is
+  // physical row perm(i) = permutation[i] (or i). For every row i of a tile, slot = its slot:
+  // v[perm(i), s*R + j] = sum_k x[perm(i), k] * lora_a[slot, s*R + j, k] for j < rank(slot), else 0.
   m.def(
-      "sgmv_shrink(Tensor x, Tensor lora_a, Tensor seg_indptr, Tensor weight_indices, Tensor lora_ranks, "
-      "Tensor? permutation, int num_slices, int max_seg_len, Tensor(a!) v) -> ()");
-  // out[perm(i), off[s] + n] += scaling(slot) * sum_{j<rank} v[perm(i), s*R + j] * lora_b[slot, off[s] + n, j].
+      "sgmv_shrink(Tensor x, Tensor lora_a, Tensor work, Tensor lora_ranks, Tensor? permutation, "
+      "int num_slices, int max_tiles, Tensor(a!) v) -> ()");
+  // out[perm(i), off[s] + n] += scaling(slot) * sum_{j<rank} v[perm(i), s*R + j] * lora_b[slot, off[s] + n, j]
+  // (rows of slot -1 / rank-0 tiles untouched).
   m.def(
-      "sgmv_expand(Tensor v, Tensor lora_b, Tensor seg_indptr, Tensor weight_indices, Tensor lora_ranks, "
-      "Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_seg_len, Tensor(a!) out) -> ()");
-  // sgmv_shrink then sgmv_expand through an fp32 v, in one call (the expand overlaps the shrink on sm_90).
+      "sgmv_expand(Tensor v, Tensor lora_b, Tensor work, Tensor lora_ranks, Tensor scalings, Tensor? permutation, "
+      "int[] slice_offsets, int max_tiles, Tensor(a!) out) -> ()");
+  // sgmv_shrink then sgmv_expand through an fp32 v (bit for bit), in one call; on sm_90 the expand is a
+  // programmatic dependent launch that streams its weights while the shrink finishes.
   m.def(
-      "sgmv_apply(Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor weight_indices, "
-      "Tensor lora_ranks, Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_seg_len, "
-      "Tensor(a!) out) -> ()");
+      "sgmv_apply(Tensor x, Tensor lora_a, Tensor lora_b, Tensor work, Tensor lora_ranks, Tensor scalings, "
+      "Tensor? permutation, int[] slice_offsets, int max_tiles, Tensor(a!) out) -> ()");
   // dsts[i].copy_(srcs[i]) for pinned host srcs, all on the current stream, in one call.
   m.def("batched_h2d_copy(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
 }

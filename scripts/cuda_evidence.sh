@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Device evidence for the `cuda` backend: build, its GPU tests, the kernel benchmark (triton vs cuda),
 # PDL on/off at decode batch 1, SASS (tensor-core instructions, 16-byte loads, local memory),
-# compute-sanitizer memcheck + racecheck on every kernel path, and Nsight Compute on the main kernels.
+# compute-sanitizer memcheck, racecheck, synccheck, initcheck on every kernel path (scripts/sanitize.sh), and Nsight Compute on the main kernels.
 # Files in $OUT (or ./out): build.log pytest.log bench_kernels.{log,jsonl} evidence.log sass_main.txt
-# sanitizer.log ncu.log. Steps run in priority order; each has its own time limit.
+# sanitize_<tool>.log ncu.log. Steps run in priority order; each has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -25,7 +25,7 @@ cuobjdump --dump-sass "$SO" >/tmp/sass.txt 2>&1
 python3 - /tmp/sass.txt "$OUT/sass_main.txt" <<'PY' | tee -a "$E"
 import re, sys
 fn, stats, keep = None, {}, []
-main = ("sgmv_expand_mma_kernelI13__nv_bfloat16fE", "sgmv_shrink_small_kernelI13__nv_bfloat16fLi8ELi1E")
+main = ("sgmv_expand_mma_kernelI13__nv_bfloat16fE", "sgmv_shrink_mma_kernelI13__nv_bfloat16fE")
 for line in open(sys.argv[1]):
     m = re.search(r"Function : (\S+)", line)
     if m:
@@ -47,11 +47,8 @@ for fn, s in stats.items():
 print("sgmv functions with local memory (LDL/STL):", [f for f, s in stats.items() if s["LOCAL"] and "sgmv" in f],
       "of", sum("sgmv" in f for f in stats))
 PY
-for tool in memcheck racecheck; do
-  timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/cuda_kernel_probe.py smoke \
-    >>"$OUT/sanitizer.log" 2>&1
-  echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tail -1)" | tee -a "$E"
-done
+timeout 240 bash scripts/sanitize.sh memcheck,racecheck,synccheck,initcheck -- tests/test_cuda_backend.py -k small \
+  2>&1 | tee -a "$E"
 timeout 90 ncu --clock-control none -k regex:sgmv_ -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
   python3 scripts/cuda_kernel_probe.py ncu >"$OUT/ncu.log" 2>&1; echo "ncu rc=$?" | tee -a "$E"
 grep -E "  sgmv_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput" "$OUT/ncu.log" \

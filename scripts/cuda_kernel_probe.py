@@ -1,6 +1,6 @@
 """Drives the `cuda` backend's kernels for the device evidence of scripts/cuda_evidence.sh.
 
-    smoke  every kernel path once on small shapes, checked against reference.py (for compute-sanitizer)
+    smoke  every kernel path once on small shapes, checked against reference.py
     ncu    one decode apply (batch 64, distinct adapters, r64, gate_up) and one prefill apply
            (8 x 1024 rows, r64, gate_up): the CUDA-core and tensor-core kernels, for Nsight Compute
     pdl    µs per module and per layer in graph replay at decode batch 1 (qkv, o, gate_up, down);
@@ -44,7 +44,7 @@ def _check(case, info=None):
 
 def smoke():
     rng = np.random.default_rng(0)
-    shapes = [  # (seg_lens, in_dim, R, widths, dtype): small/vec16, small/scalar, mma split, mma no split
+    shapes = [  # (seg_lens, in_dim, R, widths, dtype): mma, CUDA-core scalar, mma split-K, mma, CUDA-core fp32
         ([1, 1, 1, 1], 256, 16, (64, 32), torch.bfloat16),
         ([3, 2, 4], 37, 5, (9, 7), torch.float16),
         ([40, 9, 70], 512, 32, (64, 64, 32), torch.bfloat16),

@@ -206,70 +206,53 @@ def test_llama_shapes_bf16(batch, shape, rank):
     check_case(_poison_stale(llama_case(batch, shape, rank)), truth=_truth_large)
 
 
-def _static_info(cap_segments, cap_tokens, lora_ranks, scalings, max_seg_len, with_perm):
-    dev = lora_ranks.device
-    return lk.LoRABatchInfo(
-        seg_lens=torch.zeros(cap_segments, dtype=torch.int32, device=dev),
-        seg_indptr=torch.zeros(cap_segments + 1, dtype=torch.int32, device=dev),
-        weight_indices=torch.full((cap_segments,), -1, dtype=torch.int32, device=dev),
-        permutation=torch.arange(cap_tokens, dtype=torch.int32, device=dev) if with_perm else None,
-        num_segments=cap_segments, max_seg_len=max_seg_len, num_tokens=cap_tokens, lora_ranks=lora_ranks,
-        scalings=scalings)
-
-
-def _load_batch(info, seg_lens, slots, perm):
-    """Writes a batch into the static metadata tensors in place (addresses unchanged)."""
-    cap = info.weight_indices.shape[0]
-    lens = torch.zeros(cap, dtype=torch.int32)
-    lens[:len(seg_lens)] = torch.tensor(seg_lens, dtype=torch.int32)
-    wi = torch.full((cap,), -1, dtype=torch.int32)
-    wi[:len(slots)] = torch.tensor(slots, dtype=torch.int32)
-    info.seg_lens.copy_(lens)
-    info.seg_indptr.copy_(torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()]))
-    info.weight_indices.copy_(wi)
-    if info.permutation is not None:
-        info.permutation.copy_(torch.tensor(perm, dtype=torch.int32))
+def _graph_batches(rng, decode, cap_seg, cap_tok, num_slots):
+    """Three batches of one graph family: decode (one row per request) or general (any counts)."""
+    out = []
+    for _ in range(3):
+        n = int(rng.integers(1, cap_seg + 1))
+        counts = [1] * n if decode else [int(c) for c in rng.multinomial(cap_tok - 7, np.ones(n) / n)]
+        out.append((counts, [int(s) for s in rng.integers(-1, num_slots, n)]))
+    return out
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("mode", ["decode", "general"])
+@pytest.mark.parametrize("mode", ["decode", "general", "sorted"])
 def test_cuda_graph_replay_equals_eager(mode, dtype):
-    """Capture shrink, expand and apply once; replay for 3 different batches; bit-equal to eager."""
-    rng = np.random.default_rng([600, mode == "decode", dtype == torch.float32])
-    cap_seg, cap_tok, R, widths, in_dim = 16, 160, 16, (128, 64), 256
-    decode = mode == "decode"
+    """Capture shrink, expand and apply once with graph-mode infos; replay for 3 other batches of the
+    family; bit-equal to eager calls on the same infos."""
+    rng = np.random.default_rng([600, ["decode", "general", "sorted"].index(mode), dtype == torch.float32])
+    cap_seg, cap_tok, R, widths, in_dim = 16, 160, 16, (128, 64), 1100  # in_dim 1100: 3 K splits (16-bit)
     case = make_case(rng, num_slots=6, max_rank=R, slice_widths=widths, in_dim=in_dim, seg_lens=[cap_tok],
                      slots=[0], dtype=dtype, device="cuda")
-    x, a, b = case.x, _poison_stale(case).lora_a, case.lora_b
-    info = _static_info(cap_seg, cap_tok, case.info.lora_ranks, case.info.scalings, 1 if decode else cap_tok,
-                        not decode)
-    offs = case.slice_offsets
+    x, a, b, offs = case.x, _poison_stale(case).lora_a, case.lora_b, case.slice_offsets
+    builder = lk.BatchInfoBuilder(cap_tok, cap_seg, case.info.lora_ranks, case.info.scalings, cuda_graph=True)
+    decode, sort = mode == "decode", mode == "sorted"
+    batches = _graph_batches(rng, decode, cap_seg, cap_tok, 6)
+    info = builder.build(*batches[0], sort_by_adapter=sort)
     v = torch.zeros(cap_tok, 2 * R, device="cuda")
     v_in = torch.randn(cap_tok, 2 * R, device="cuda")
     out_e, out_a = case.base.clone(), case.base.clone()
 
-    def step():
-        lk.sgmv_shrink(x, a, info, 2, out=v, backend="cuda")
-        lk.sgmv_expand(v_in, b, info, offs, out_e, backend="cuda")
-        lk.apply_lora(x, out_a, a, b, info, offs, backend="cuda")
+    def step(inf):
+        lk.sgmv_shrink(x, a, inf, 2, out=v, backend="cuda")
+        lk.sgmv_expand(v_in, b, inf, offs, out_e, backend="cuda")
+        lk.apply_lora(x, out_a, a, b, inf, offs, backend="cuda")
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()
+        step(info)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
-    for trial in range(3):
-        n = int(rng.integers(1, cap_seg + 1))
-        seg_lens = [1] * n if decode else [int(s) for s in rng.multinomial(cap_tok - 7, np.ones(n) / n)]
-        slots = [int(s) for s in rng.integers(-1, 6, n)]
-        perm = [int(p) for p in rng.permutation(cap_tok)]
-        _load_batch(info, seg_lens, slots, perm)
+        step(info)
+    for trial, (counts, slots) in enumerate(batches):
+        info2 = builder.build(counts, slots, sort_by_adapter=sort)
+        assert builder.graph_family(info2) == builder.graph_family(info)
         results = []
-        for run in (graph.replay, step):
+        for run in (graph.replay, lambda: step(info2)):
             v.fill_(float("nan"))
             out_e.copy_(case.base)
             out_a.copy_(case.base)
@@ -278,7 +261,82 @@ def test_cuda_graph_replay_equals_eager(mode, dtype):
             results.append((v.clone(), out_e.clone(), out_a.clone()))
         for g, e in zip(*results):
             assert torch.equal(g.nan_to_num(7.0), e.nan_to_num(7.0)), f"trial {trial}: replay != eager"
-        assert not torch.equal(results[1][2], case.base), "the batch changed nothing: the test cannot fail"
+        if any(s >= 0 and case.ranks[s] > 0 for s in slots):
+            assert not torch.equal(results[1][2], case.base), "the batch changed nothing: the test cannot fail"
+
+
+def _batch_rows(rng, n, num_slots, target_slots):
+    """n decode requests: the rows under test (target_slots) at random places among random others."""
+    slots = [int(s) for s in rng.integers(-1, num_slots, n)]
+    where = rng.choice(n, len(target_slots), replace=False)
+    for w, s in zip(where, target_slots):
+        slots[w] = s
+    return slots, where
+
+
+def _invariance_weights(rng, dtype, in_dim, widths, R, num_slots):
+    offs = tuple(int(v) for v in np.concatenate([[0], np.cumsum(widths)]))
+    a = (torch.randn(num_slots, len(widths) * R, in_dim, device="cuda") * in_dim ** -0.5).to(dtype)
+    b = (torch.randn(num_slots, offs[-1], R, device="cuda") * R ** -0.5).to(dtype)
+    ranks = torch.tensor([int(rng.integers(1, R + 1)) for _ in range(num_slots)], dtype=torch.int32, device="cuda")
+    return a, b, ranks, torch.rand(num_slots, device="cuda") + 0.5, offs
+
+
+def _invariance_batch(rng, builder_args, T, target, xt, bt, sort, graph):
+    """x, out (rows under test at `where`) and the info of one batch of T decode requests."""
+    ranks, scal, num_slots, in_dim, out_total, dtype = builder_args
+    slots, where = _batch_rows(rng, T, num_slots, target)
+    cap = max(T, 256) if graph else T
+    builder = lk.BatchInfoBuilder(cap, cap, ranks, scal, cuda_graph=graph)
+    info = builder.build([1] * T, slots, sort_by_adapter=sort)
+    rows = max(info.num_tokens, T)
+    x = torch.randn(rows, in_dim, device="cuda").to(dtype)
+    out = torch.randn(rows, out_total, device="cuda").to(dtype)
+    w = torch.as_tensor(where, device="cuda")
+    x[w], out[w] = xt, bt
+    return x, out, info, w
+
+
+@GPU
+@pytest.mark.parametrize("shape", ["qkv", "down", "odd_fp32"])
+def test_batch_invariance(shape):
+    """The same 3 rows inside decode batches of 1..256 requests (shuffled, sorted or not, eager infos,
+    graph-mode infos and a graph replay) give bit-identical outputs (torch.equal), for apply and shrink."""
+    in_dim, widths, R, dtype = {"qkv": (4096, (4096, 1024, 1024), 16, torch.bfloat16),
+                                "down": (14336, (4096,), 64, torch.bfloat16),
+                                "odd_fp32": (111, (33, 9), 5, torch.float32)}[shape]
+    rng = np.random.default_rng([22, len(shape)])
+    num_slots = 32
+    a, b, ranks, scal, offs = _invariance_weights(rng, dtype, in_dim, widths, R, num_slots)
+    target = [int(s) for s in rng.integers(0, num_slots, 3)]
+    xt = torch.randn(3, in_dim, device="cuda").to(dtype)
+    bt = torch.randn(3, offs[-1], device="cuda").to(dtype)
+    args = (ranks, scal, num_slots, in_dim, offs[-1], dtype)
+    outs, vs = [], []
+    for k, T in enumerate((1, 16, 64, 256, 100)):
+        for sort in (False, True):
+            x, out, info, w = _invariance_batch(rng, args, T, target, xt, bt, sort, graph=k in (1, 3))
+            lk.apply_lora(x, out, a, b, info, offs, backend="cuda")
+            outs.append(out[w])
+            vs.append(lk.sgmv_shrink(x, a, info, len(widths), backend="cuda")[w])
+    # graph replay: captured on one batch, replayed on another batch of the same family
+    x, out, info, w = _invariance_batch(rng, args, 64, target, xt, bt, False, graph=True)
+    x2, out2, info2, w2 = _invariance_batch(rng, args, 200, target, xt, bt, False, graph=True)
+    lk.apply_lora(x, out.clone(), a, b, info, offs, backend="cuda")  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    saved = out2.clone()
+    with torch.cuda.graph(g):
+        lk.apply_lora(x, out, a, b, info, offs, backend="cuda")
+    x.copy_(x2)
+    out.copy_(saved)
+    info.work.copy_(info2.work)  # the same static buffers: what the builder's next build writes
+    g.replay()
+    outs.append(out[w2])
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    for v in vs[1:]:
+        assert torch.equal(v, vs[0])
+    assert not torch.equal(outs[0], bt), "the rows under test did not change: the test cannot fail"
 
 
 @GPU
@@ -304,6 +362,10 @@ def test_deterministic_bits(max_len):
     assert not torch.equal(outs[0], case.base)
 
 
+def _work(info):
+    return info.work, info.lora_ranks, info.permutation
+
+
 @GPU
 def test_unsupported_inputs_name_every_parameter():
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
@@ -312,24 +374,84 @@ def test_unsupported_inputs_name_every_parameter():
                      torch.ones(2, device="cuda"), "cuda")
     v = torch.zeros(4, 16, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match=r"dtype=BFloat16 v dtype=Half max_rank=16 num_slices=1 in_dim=64"):
-        torch.ops.lora_kernels.sgmv_shrink(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, None, 1, 4, v)
+        torch.ops.lora_kernels.sgmv_shrink(x, a, *_work(info), 1, info.max_tiles, v)
     big = torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="max rank R=lora_a.shape.1./num_slices=300 exceeds 256"):
-        torch.ops.lora_kernels.sgmv_shrink(x, big, info.seg_indptr, info.weight_indices, info.lora_ranks, None, 1, 4,
-                                           torch.zeros(4, 300, device="cuda"))
+        torch.ops.lora_kernels.sgmv_shrink(x, big, *_work(info), 1, info.max_tiles, torch.zeros(4, 300, device="cuda"))
+    with pytest.raises(RuntimeError, match="work must have 1 \\+ 3\\*max_tiles = 7 entries"):
+        torch.ops.lora_kernels.sgmv_shrink(x, a, *_work(info), 1, 2, torch.zeros(4, 16, device="cuda"))
 
 
-def _apply_args(device):
-    case = make_case(np.random.default_rng(800), dtype=torch.float32, device=device, max_rank=8,
-                     slice_widths=(16, 8), in_dim=32, seg_lens=[3, 1, 5], slots=[1, -1, 2], permute=True,
-                     extra_rows=1)
+def _apply_args(device, dtype=torch.float32, seg_lens=(3, 1, 5), slots=(1, -1, 2), cap_segments=None):
+    case = make_case(np.random.default_rng(800), dtype=dtype, device=device, max_rank=8, slice_widths=(16, 8),
+                     in_dim=32, seg_lens=list(seg_lens), slots=list(slots), permute=True, extra_rows=3)
     i = case.info
-    return (case.x, case.lora_a, case.lora_b, i.seg_indptr, i.weight_indices, i.lora_ranks, i.scalings,
-            i.permutation, list(case.slice_offsets), i.max_seg_len, case.base.clone())
+    if cap_segments:
+        i = _capacity_info(case, cap_segments, case.x.shape[0])
+    return case, (case.x, case.lora_a, case.lora_b, *_work(i)[:2], i.scalings, i.permutation,
+                  list(case.slice_offsets), i.max_tiles, case.base.clone())
 
 
 def test_opcheck_apply_cpu():
-    torch.library.opcheck(torch.ops.lora_kernels.sgmv_apply.default, _apply_args("cpu"))
+    torch.library.opcheck(torch.ops.lora_kernels.sgmv_apply.default, _apply_args("cpu")[1])
+
+
+def test_cpu_kernels_follow_the_work_list():
+    """The CPU kernels of the schemas (CI's path) equal the float64 row loop: permutation, slot -1,
+    a segment longer than one tile (70 rows: two tiles), an out-of-range slot, capacity padding."""
+    case, args = _apply_args("cpu", seg_lens=(70, 1, 5, 2), slots=(1, -1, 2, 0), cap_segments=9)
+    info = _capacity_info(case, 9, case.x.shape[0])
+    v_ref, covered = rowloop_shrink(case)
+    v = torch.full_like(v_ref, float("nan"), dtype=torch.float32)
+    torch.ops.lora_kernels.sgmv_shrink(case.x, case.lora_a, *_work(info), 2, info.max_tiles, v)
+    assert torch.isnan(v[~covered]).all() and rel_err(v[covered], v_ref[covered]) <= 1e-6
+    out = case.base.clone()
+    torch.ops.lora_kernels.sgmv_apply(*args[:-1], out)
+    assert rel_err(out, rowloop_expand(case, v_ref.nan_to_num(0), case.base)) <= 1e-5
+    out2 = case.base.clone()
+    torch.ops.lora_kernels.sgmv_expand(v.nan_to_num(0), case.lora_b, *_work(info)[:2], info.scalings,
+                                       info.permutation, list(case.slice_offsets), info.max_tiles, out2)
+    assert torch.equal(out, out2)
+    bad = _capacity_info(case, 9, case.x.shape[0])
+    bad.work[1 + 1] = 99  # tile 1 (the second tile of the 70-row segment): a slot the pool does not have
+    out3 = case.base.clone()
+    torch.ops.lora_kernels.sgmv_apply(case.x, case.lora_a, case.lora_b, *_work(bad)[:2], bad.scalings,
+                                      bad.permutation, list(case.slice_offsets), bad.max_tiles, out3)
+    rows = case.perm[64:70]
+    assert torch.equal(out3[rows], case.base[rows]) and torch.equal(out3[case.perm[:64]], out[case.perm[:64]])
+
+
+def test_torch_compile_fullgraph_cpu():
+    """The fake kernels let torch.compile(fullgraph=True) trace the cuda backend's ops; same result."""
+    case, args = _apply_args("cpu")
+    info = case.info
+
+    def f(x, a, b, out):
+        torch.ops.lora_kernels.sgmv_apply(x, a, b, *_work(info)[:2], info.scalings, info.permutation,
+                                          list(case.slice_offsets), info.max_tiles, out)
+        return out * 1
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = compiled(case.x, case.lora_a, case.lora_b, case.base.clone())
+    assert torch.equal(got, f(case.x, case.lora_a, case.lora_b, case.base.clone()))
+
+
+def test_cpp_limits_match_python():
+    """csrc/ops/limits.h mirrors lora_kernels/limits.py and batch_info.TILE_M; csrc/ops/dtypes.h lists
+    exactly limits.DTYPES."""
+    import re
+    from pathlib import Path
+
+    from lora_kernels import limits
+    from lora_kernels.batch_info import TILE_M
+
+    csrc = Path(__file__).resolve().parent.parent / "csrc" / "ops"
+    consts = dict(re.findall(r"constexpr int (k\w+) = (\d+);", (csrc / "limits.h").read_text()))
+    assert {k: int(v) for k, v in consts.items()} == {"kMaxRank": limits.MAX_RANK, "kMaxSlices": limits.MAX_SLICES,
+                                                      "kTileM": TILE_M}
+    names = re.findall(r"F\(at::k(\w+), \w+\)", (csrc / "dtypes.h").read_text())
+    assert sorted(names) == sorted({torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float"}[d]
+                                   for d in limits.DTYPES)
 
 
 @GPU
@@ -343,11 +465,32 @@ def test_opcheck_cuda(dtype, max_len):
     i = case.info
     v = torch.zeros(case.x.shape[0], 32, device="cuda")
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_shrink.default,
-                          (case.x, case.lora_a, i.seg_indptr, i.weight_indices, i.lora_ranks, i.permutation, 2,
-                           i.max_seg_len, v))
+                          (case.x, case.lora_a, *_work(i), 2, i.max_tiles, v))
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_expand.default,
-                          (v + 1, case.lora_b, i.seg_indptr, i.weight_indices, i.lora_ranks, i.scalings,
-                           i.permutation, list(case.slice_offsets), i.max_seg_len, case.base.clone()))
+                          (v + 1, case.lora_b, *_work(i)[:2], i.scalings, i.permutation, list(case.slice_offsets),
+                           i.max_tiles, case.base.clone()))
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_apply.default,
-                          (case.x, case.lora_a, case.lora_b, i.seg_indptr, i.weight_indices, i.lora_ranks,
-                           i.scalings, i.permutation, list(case.slice_offsets), i.max_seg_len, case.base.clone()))
+                          (case.x, case.lora_a, case.lora_b, *_work(i)[:2], i.scalings, i.permutation,
+                           list(case.slice_offsets), i.max_tiles, case.base.clone()))
+
+
+# Small shapes for scripts/sanitize.sh (compute-sanitizer is slow): every kernel (tensor-core shrink
+# with and without split-K and its reduction, tensor-core expand with several rank slabs, the CUDA-core
+# kernels with and without 16-byte loads), permutations, padding, slot -1, multi-tile segments.
+SMALL = {
+    "mma_split": (torch.bfloat16, 1100, 16, (64, 32, 8)),
+    "mma_nosplit": (torch.float16, 64, 136, (24, 128)),
+    "simt_vec": (torch.float32, 64, 16, (40, 8)),
+    "simt_scalar": (torch.bfloat16, 37, 5, (9, 0, 7)),
+}
+
+
+@GPU
+@pytest.mark.parametrize("kind", SMALL)
+def test_small_paths(kind):
+    dtype, in_dim, R, widths = SMALL[kind]
+    rng = np.random.default_rng([1000, list(SMALL).index(kind)])
+    case = make_case(rng, num_slots=4, max_rank=R, slice_widths=widths, in_dim=in_dim, seg_lens=[70, 1, 3, 0, 2],
+                     slots=[1, 0, -1, 2, 3], dtype=dtype, device="cuda", permute=True, extra_rows=3)
+    check_case(_poison_stale(case), truth=_truth_small)
+    check_case(case, _capacity_info(case, cap_segments=8, max_seg_len=case.x.shape[0]))

@@ -22,7 +22,7 @@ def test_extension_built_and_ops_registered():
 
     assert lk.HAS_CUDA_EXT, f"extension failed to load: {_backends.CUDA_EXT_ERROR}"
     assert _build_meta.CUDA_EXTENSION_BUILT
-    for name in ("sgmv_shrink", "sgmv_expand", "batched_h2d_copy"):
+    for name in ("sgmv_shrink", "sgmv_expand", "sgmv_apply", "batched_h2d_copy"):
         assert hasattr(torch.ops.lora_kernels, name), name
 
 
@@ -39,11 +39,10 @@ def _opcheck_case(device):
 def test_opcheck(device):
     case, info, v = _opcheck_case(device)
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_shrink.default,
-                          (case.x, case.lora_a, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                           info.permutation, 2, info.max_seg_len, v))
+                          (case.x, case.lora_a, info.work, info.lora_ranks, info.permutation, 2, info.max_tiles, v))
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_expand.default,
-                          (v + 1, case.lora_b, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                           info.permutation, list(case.slice_offsets), info.max_seg_len, case.base.clone()))
+                          (v + 1, case.lora_b, info.work, info.lora_ranks, info.scalings, info.permutation,
+                           list(case.slice_offsets), info.max_tiles, case.base.clone()))
 
 
 _CPP_ERROR = """

@@ -76,7 +76,7 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
 // attribute may start before its predecessor finishes; griddep_wait() blocks until the predecessor
 // grid has completed and its writes are visible. Both are no-ops when the launch had no such
 // attribute. The host enables the attribute only on devices this file was compiled for with sm_90
-// machine code (see sgmv.cu), because the compute_80 PTX build compiles these to nothing.
+// machine code (launch.cuh), because the compute_80 PTX build compiles these to nothing.
 __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -86,6 +86,15 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// griddep_wait() the first time a CTA is about to read what an earlier kernel writes (x, v, out) or to
+// write anything: before it, a kernel reads only what no kernel writes (weights, batch metadata).
+__device__ __forceinline__ void wait_once(bool& waited) {
+  if (!waited) {
+    griddep_wait();
+    waited = true;
+  }
 }
 
 }  // namespace lora_kernels

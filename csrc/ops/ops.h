@@ -5,20 +5,17 @@
 
 namespace lora_kernels {
 
-void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& seg_indptr,
-                 const at::Tensor& weight_indices, const at::Tensor& lora_ranks,
-                 const std::optional<at::Tensor>& permutation, int64_t num_slices, int64_t max_seg_len,
-                 at::Tensor& v);
+void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& work, const at::Tensor& lora_ranks,
+                 const std::optional<at::Tensor>& permutation, int64_t num_slices, int64_t max_tiles, at::Tensor& v);
 
-void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
-                 const at::Tensor& weight_indices, const at::Tensor& lora_ranks, const at::Tensor& scalings,
-                 const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
-                 int64_t max_seg_len, at::Tensor& out);
+void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor& work, const at::Tensor& lora_ranks,
+                 const at::Tensor& scalings, const std::optional<at::Tensor>& permutation,
+                 at::IntArrayRef slice_offsets, int64_t max_tiles, at::Tensor& out);
 
-void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                const at::Tensor& seg_indptr, const at::Tensor& weight_indices, const at::Tensor& lora_ranks,
-                const at::Tensor& scalings, const std::optional<at::Tensor>& permutation,
-                at::IntArrayRef slice_offsets, int64_t max_seg_len, at::Tensor& out);
+void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+                const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
+                at::Tensor& out);
 
 void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts);
 

@@ -1,13 +1,10 @@
-// Bindings of the SGMV ops: tensor checks, the dispatch table, launch on the current stream.
+// Bindings of the SGMV ops: tensor checks, the launch plan (ops/sgmv_plan.h), launch on the current
+// stream. The batch arrives as the builder's work list (kernels/work.cuh); every kernel runs a
+// persistent grid over it, so grids follow the capacity of the list, never its contents.
 //
-// Dispatch table (anything else fails with every parameter named):
-//   dtype x:     fp16, bf16, fp32          v dtype: fp32 or x's dtype
-//   max rank R:  1..256                    slices:  1..4
-//   kernel path: segments of <= kSmallMaxRows rows (decode)  -> CUDA-core kernels, 16-byte loads when
-//                                                               rows are 16-byte aligned, else scalar
-//                longer segments, fp16/bf16, in_dim % 8 == 0, R % 8 == 0, slice offsets % 8 == 0,
-//                16-byte aligned pointers                    -> tensor-core (mma.sync) kernels
-//                anything else                               -> CUDA-core kernels
+// Paths (from shapes only, see sgmv_plan.h): fp16/bf16 with 16-byte-aligned rows and pointers ->
+// tensor-core kernels (split-K shrink into fp32 planes, expand summing them in order); anything else ->
+// CUDA-core kernels. Programmatic dependent launch on sm_90+ (LORA_KERNELS_PDL=0 turns it off).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -16,93 +13,67 @@
 
 #include "ops/checks.h"
 #include "ops/ops.h"
-#include "ops/sgmv_launch.h"
+#include "ops/sgmv_run.h"
 
 namespace lora_kernels {
 namespace {
 
-constexpr int64_t kMaxRank = 256;
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-void check_metadata(const at::Tensor& ref, const at::Tensor& seg_indptr, const at::Tensor& weight_indices,
-                    const at::Tensor& lora_ranks, const std::optional<at::Tensor>& permutation) {
-  for (const at::Tensor* t : {&seg_indptr, &weight_indices, &lora_ranks}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == ref.device(), "batch metadata must be on ", ref.device(),
-                ", got ", t->device());
-    TORCH_CHECK(t->scalar_type() == at::kInt, "batch metadata must be int32, got ", t->scalar_type());
-    TORCH_CHECK(t->dim() == 1 && t->is_contiguous(), "batch metadata must be 1-D contiguous, got shape ",
-                t->sizes());
+bool pdl_enabled() {
+  static const bool env_on = [] {
+    const char* env = std::getenv("LORA_KERNELS_PDL");
+    return !(env && std::strcmp(env, "0") == 0);
+  }();
+  return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
+}
+
+LaunchCfg make_cfg(int64_t items_upper, int ctas_per_sm) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return LaunchCfg{at::cuda::getCurrentCUDAStream(), persistent_grid(items_upper, ctas_per_sm, sms), pdl_enabled()};
+}
+
+void check_work(const at::Tensor& ref, const at::Tensor& work, const at::Tensor& lora_ranks,
+                const std::optional<at::Tensor>& permutation, int64_t max_tiles) {
+  for (const at::Tensor* t : {&work, &lora_ranks}) {
+    CHECK_INPUT(*t);
+    CHECK_SAME_DEVICE(*t, ref);
+    CHECK_DTYPE(*t, at::kInt);
+    CHECK_DIM(1, *t);
   }
-  TORCH_CHECK(seg_indptr.numel() == weight_indices.numel() + 1, "seg_indptr must have num_segments+1=",
-              weight_indices.numel() + 1, " entries, got ", seg_indptr.numel());
+  TORCH_CHECK(max_tiles >= 0 && work.numel() >= 1 + 3 * max_tiles, "work must have 1 + 3*max_tiles = ",
+              1 + 3 * max_tiles, " entries or more (max_tiles=", max_tiles, "), got shape ", work.sizes());
   if (permutation) {
     CHECK_INPUT(*permutation);
     CHECK_SAME_DEVICE(*permutation, ref);
     CHECK_DTYPE(*permutation, at::kInt);
+    CHECK_DIM(1, *permutation);
   }
 }
 
-SgmvParams make_params(const at::Tensor& seg_indptr, const at::Tensor& weight_indices,
-                       const at::Tensor& lora_ranks, const std::optional<at::Tensor>& permutation,
-                       int num_slices, int max_rank) {
-  SgmvParams p{};
-  p.seg_indptr = seg_indptr.data_ptr<int32_t>();
-  p.weight_indices = weight_indices.data_ptr<int32_t>();
-  p.lora_ranks = lora_ranks.data_ptr<int32_t>();
-  p.permutation = permutation ? permutation->data_ptr<int32_t>() : nullptr;
-  p.num_segments = static_cast<int>(weight_indices.numel());
-  p.num_slots = static_cast<int>(lora_ranks.numel());
-  p.num_slices = num_slices;
-  p.max_rank = max_rank;
-  p.splits = 1;  // v itself; the shrink plan may split K into fp32 planes
-  return p;
+WorkArgs make_work(const at::Tensor& work, const at::Tensor& lora_ranks, const std::optional<at::Tensor>& perm,
+                   int64_t max_tiles, int64_t rows) {
+  WorkArgs w{};
+  w.work = work.data_ptr<int32_t>();
+  w.lora_ranks = lora_ranks.data_ptr<int32_t>();
+  w.perm = perm ? perm->data_ptr<int32_t>() : nullptr;
+  w.max_tiles = static_cast<int>(max_tiles);
+  w.num_slots = static_cast<int>(lora_ranks.numel());
+  w.perm_len = perm ? static_cast<int>(perm->numel()) : 0;
+  w.num_rows = static_cast<int>(rows);
+  return w;
 }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-// Programmatic dependent launch of the expand kernel inside sgmv_apply; LORA_KERNELS_PDL=0 turns it off.
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("LORA_KERNELS_PDL");
-    return !(env && std::strcmp(env, "0") == 0);
-  }();
-  return on;
-}
-
-LaunchCtx make_ctx(int64_t rows, int64_t max_seg_len, bool pdl) {
-  return LaunchCtx{at::cuda::getCurrentCUDAStream(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
-                   rows, max_seg_len, pdl};
-}
-
-// Calls f(T{}, V{}) with the CUDA storage types of (x dtype, v dtype); false if unsupported.
-template <typename F>
-bool dispatch(at::ScalarType t, at::ScalarType v, F&& f) {
-#define LK_CASE(TT, CT)                                 \
-  if (t == TT) {                                        \
-    if (v == at::kFloat) return f(CT{}, float{}), true; \
-    if (v == TT) return f(CT{}, CT{}), true;            \
-    return false;                                       \
-  }
-  LK_CASE(at::kHalf, __half)
-  LK_CASE(at::kBFloat16, __nv_bfloat16)
-  LK_CASE(at::kFloat, float)
-#undef LK_CASE
-  return false;
-}
-
-template <typename T>
-constexpr bool kIs16Bit = sizeof(T) == 2;
-
-void check_shrink_args(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& seg_indptr,
-                       const at::Tensor& weight_indices, const at::Tensor& lora_ranks,
-                       const std::optional<at::Tensor>& permutation, int64_t num_slices) {
+void check_shrink_args(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_ranks,
+                       int64_t num_slices) {
   CHECK_INPUT(x);
   CHECK_DIM(2, x);  // [T, in_dim]
   CHECK_INPUT(lora_a);
   CHECK_DIM(3, lora_a);  // [num_slots, S*R, in_dim]
   CHECK_SAME_DEVICE(lora_a, x);
   CHECK_DTYPE(lora_a, x.scalar_type());
-  check_metadata(x, seg_indptr, weight_indices, lora_ranks, permutation);
-  TORCH_CHECK(num_slices >= 1 && num_slices <= 4, "num_slices must be in 1..4, got ", num_slices);
+  TORCH_CHECK(num_slices >= 1 && num_slices <= kMaxSlices, "num_slices must be in 1..", kMaxSlices, ", got ",
+              num_slices);
   TORCH_CHECK(lora_a.size(1) % num_slices == 0, "lora_a.shape[1]=", lora_a.size(1),
               " is not a multiple of num_slices=", num_slices);
   TORCH_CHECK(lora_a.size(1) / num_slices <= kMaxRank, "max rank R=lora_a.shape[1]/num_slices=",
@@ -110,193 +81,161 @@ void check_shrink_args(const at::Tensor& x, const at::Tensor& lora_a, const at::
   TORCH_CHECK(lora_a.size(2) == x.size(1), "lora_a in_dim ", lora_a.size(2), " != x in_dim ", x.size(1));
   TORCH_CHECK(lora_a.size(0) == lora_ranks.size(0), "lora_a has ", lora_a.size(0), " slots but lora_ranks ",
               lora_ranks.size(0));
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31) && x.size(1) < (int64_t{1} << 31), "x is too large: ", x.sizes());
 }
 
-void check_expand_args(const at::Tensor& lora_b, const at::Tensor& seg_indptr, const at::Tensor& weight_indices,
-                       const at::Tensor& lora_ranks, const at::Tensor& scalings,
-                       const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
-                       const at::Tensor& out) {
+void check_expand_args(const at::Tensor& lora_b, const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                       at::IntArrayRef slice_offsets, const at::Tensor& out) {
   CHECK_INPUT(lora_b);
   CHECK_DIM(3, lora_b);  // [num_slots, out_total, R]
   CHECK_INPUT(out);
   CHECK_DIM(2, out);  // [T, out_total]
   CHECK_SAME_DEVICE(lora_b, out);
   CHECK_DTYPE(lora_b, out.scalar_type());
-  check_metadata(out, seg_indptr, weight_indices, lora_ranks, permutation);
   CHECK_INPUT(scalings);
   CHECK_SAME_DEVICE(scalings, out);
   CHECK_DTYPE(scalings, at::kFloat);
   const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
-  TORCH_CHECK(num_slices >= 1 && num_slices <= 4, "slice_offsets must have 2..5 entries, got ",
-              slice_offsets.size());
+  TORCH_CHECK(num_slices >= 1 && num_slices <= kMaxSlices, "slice_offsets must have 2..", kMaxSlices + 1,
+              " entries, got ", slice_offsets.size());
   TORCH_CHECK(slice_offsets[0] == 0 && slice_offsets[num_slices] == out.size(1),
               "slice_offsets must run from 0 to out_total=", out.size(1), ", got ", slice_offsets);
-  for (int64_t i = 1; i <= num_slices; ++i)
-    TORCH_CHECK(slice_offsets[i] >= slice_offsets[i - 1], "slice_offsets must be non-decreasing, got ",
-                slice_offsets);
+  for (int64_t i = 0; i < num_slices; ++i)
+    TORCH_CHECK(slice_offsets[i] <= slice_offsets[i + 1], "slice_offsets must not decrease, got ", slice_offsets);
+  TORCH_CHECK(lora_b.size(1) == out.size(1), "lora_b out_total ", lora_b.size(1), " != out columns ", out.size(1));
   TORCH_CHECK(lora_b.size(2) <= kMaxRank, "lora_b max rank R=", lora_b.size(2), " exceeds ", kMaxRank);
-  TORCH_CHECK(lora_b.size(1) == out.size(1), "lora_b out_total ", lora_b.size(1), " != out columns ",
-              out.size(1));
-  TORCH_CHECK(lora_b.size(0) == lora_ranks.size(0) && scalings.size(0) == lora_ranks.size(0),
-              "lora_b (", lora_b.size(0), "), scalings (", scalings.size(0), ") and lora_ranks (",
-              lora_ranks.size(0), ") must agree on num_slots");
+  TORCH_CHECK(lora_b.size(0) == lora_ranks.size(0) && scalings.numel() == lora_ranks.numel(), "lora_b has ",
+              lora_b.size(0), " slots, lora_ranks ", lora_ranks.size(0), ", scalings ", scalings.numel());
 }
 
-// How the shrink runs for these tensors: a host decision from shapes, capacities and alignment only.
-struct ShrinkPlan {
-  bool mma;    // tensor-core kernel (else CUDA-core)
-  bool vec16;  // rows of x and lora_a are 16-byte aligned
-  int splits;  // K splits of the tensor-core kernel (fp32 partial planes when > 1)
-  int k_chunk;
-};
-
-ShrinkPlan plan_shrink(const at::Tensor& x, const at::Tensor& lora_a, bool v_aligned, const SgmvParams& p,
-                       const LaunchCtx& ctx) {
-  ShrinkPlan sp{false, false, 1, 0};
-  const int64_t K = x.size(1);
-  sp.vec16 = (K * x.element_size()) % 16 == 0 && aligned16(x) && aligned16(lora_a);
-  sp.mma = x.element_size() == 2 && ctx.max_seg_len > kSmallMaxRows && sp.vec16 && p.max_rank % 8 == 0 &&
-           v_aligned;
-  if (sp.mma) sp.splits = shrink_mma_splits(x.size(0), K, lora_a.size(1), ctx.num_sms, &sp.k_chunk);
-  return sp;
+ShrinkArgs make_shrink_args(const WorkArgs& w, const at::Tensor& x, const at::Tensor& lora_a, int64_t num_slices,
+                            const ShrinkPlan& plan) {
+  ShrinkArgs p{};
+  p.w = w;
+  p.K = static_cast<int>(x.size(1));
+  p.R = static_cast<int>(lora_a.size(1) / num_slices);
+  p.N = static_cast<int>(lora_a.size(1));
+  p.n_tiles = plan.n_tiles;
+  p.splits = plan.splits;
+  p.k_chunk = plan.k_chunk;
+  p.split_stride = x.size(0) * lora_a.size(1);
+  return p;
 }
 
-// Launches the shrink of plan sp: into v, or into the fp32 planes ws when p.splits > 1.
-void launch_shrink(const at::Tensor& x, const at::Tensor& lora_a, const SgmvParams& p, const ShrinkPlan& sp,
-                   at::ScalarType v_dtype, void* v, float* ws, const LaunchCtx& ctx) {
-  const bool ok = dispatch(x.scalar_type(), v_dtype, [&](auto t, auto vt) {
-    using T = decltype(t);
-    using V = decltype(vt);
-    const auto* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const auto* ap = reinterpret_cast<const T*>(lora_a.data_ptr());
-    auto* vp = reinterpret_cast<V*>(v);
-    if constexpr (kIs16Bit<T>) {
-      if (sp.mma) {
-        launch_shrink_mma<T, V>(xp, ap, vp, ws, p, ctx);
-        return;
-      }
-    }
-    launch_shrink_small<T, V>(xp, ap, vp, p, sp.vec16, ctx);
-  });
-  TORCH_CHECK(ok, "sgmv_shrink: no kernel for dtype=", x.scalar_type(), " v dtype=", v_dtype,
-              " max_rank=", p.max_rank, " num_slices=", p.num_slices, " in_dim=", p.in_dim,
-              " (supported: fp16/bf16/fp32 with v fp32 or the same dtype, R<=256, 1..4 slices)");
+ExpandArgs make_expand_args(const WorkArgs& w, const at::Tensor& lora_b, const at::Tensor& scalings,
+                            at::IntArrayRef offs, const at::Tensor& out, const ExpandPlan& plan, int splits) {
+  ExpandArgs p{};
+  p.w = w;
+  p.scalings = scalings.data_ptr<float>();
+  p.R = static_cast<int>(lora_b.size(2));
+  p.num_slices = static_cast<int>(offs.size()) - 1;
+  p.N = p.num_slices * p.R;
+  p.out_total = static_cast<int>(out.size(1));
+  for (int i = 0; i <= kMaxSlices; ++i) {
+    p.offsets[i] = static_cast<int>(offs[std::min(i, p.num_slices)]);
+    p.tile_start[i] = plan.tile_start[i];
+  }
+  p.n_tiles = plan.n_tiles;
+  p.splits = splits;
+  p.split_stride = out.size(0) * int64_t{p.N};
+  return p;
 }
 
-void run_expand(const at::Tensor& v, const at::Tensor& lora_b, SgmvParams p, at::Tensor& out, const LaunchCtx& ctx) {
-  const bool ok = dispatch(out.scalar_type(), v.scalar_type(), [&](auto t, auto vt) {
-    using T = decltype(t);
-    using V = decltype(vt);
-    const auto* vp = reinterpret_cast<const V*>(v.data_ptr());
-    const auto* bp = reinterpret_cast<const T*>(lora_b.data_ptr());
-    auto* op = reinterpret_cast<T*>(out.data_ptr());
-    const bool vec16 = (p.max_rank * sizeof(T)) % 16 == 0 && aligned16(lora_b);
-    if constexpr (kIs16Bit<T>) {
-      bool offsets8 = true;
-      for (int i = 0; i <= p.num_slices; ++i) offsets8 = offsets8 && p.slice_offsets[i] % 8 == 0;
-      if (ctx.max_seg_len > kSmallMaxRows && vec16 && offsets8 && aligned16(out) && aligned16(v)) {
-        launch_expand_mma<T, V>(vp, bp, op, p, ctx);
-        return;
-      }
-    }
-    launch_expand_small<T, V>(vp, bp, op, p, vec16, ctx);
-  });
-  TORCH_CHECK(ok, "sgmv_expand: no kernel for dtype=", out.scalar_type(), " v dtype=", v.scalar_type(),
-              " max_rank=", p.max_rank, " num_slices=", p.num_slices, " out_total=", p.out_total,
-              " (supported: fp16/bf16/fp32 with v fp32 or the same dtype, R<=256, 1..4 slices)");
+ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const at::Tensor& out, const void* v,
+                           int v_elem) {
+  const bool aligned = aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()) &&
+                       reinterpret_cast<uintptr_t>(v) % (4 * v_elem) == 0;
+  return plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
+                     static_cast<int>(offs.size()) - 1, aligned);
 }
 
 }  // namespace
 
-void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& seg_indptr,
-                 const at::Tensor& weight_indices, const at::Tensor& lora_ranks,
-                 const std::optional<at::Tensor>& permutation, int64_t num_slices, int64_t max_seg_len,
-                 at::Tensor& v) {
-  check_shrink_args(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices);
+void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& work, const at::Tensor& lora_ranks,
+                 const std::optional<at::Tensor>& permutation, int64_t num_slices, int64_t max_tiles, at::Tensor& v) {
+  check_shrink_args(x, lora_a, lora_ranks, num_slices);
+  check_work(x, work, lora_ranks, permutation, max_tiles);
   CHECK_INPUT(v);
   CHECK_DIM(2, v);  // [T, S*R]
   CHECK_SAME_DEVICE(v, x);
   TORCH_CHECK(v.size(0) == x.size(0) && v.size(1) == lora_a.size(1), "v must have shape [", x.size(0), ", ",
               lora_a.size(1), "], got ", v.sizes());
+  if (max_tiles == 0 || v.numel() == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
-  auto p = make_params(seg_indptr, weight_indices, lora_ranks, permutation, num_slices,
-                       lora_a.size(1) / num_slices);
-  p.in_dim = static_cast<int>(x.size(1));
-  if (p.num_segments == 0 || lora_a.size(1) == 0) return;
-  const LaunchCtx ctx = make_ctx(x.size(0), max_seg_len, false);
-  const ShrinkPlan sp = plan_shrink(x, lora_a, aligned16(v), p, ctx);
-  if (sp.splits == 1) {
-    p.k_chunk = sp.k_chunk;
-    launch_shrink(x, lora_a, p, sp, v.scalar_type(), v.data_ptr(), nullptr, ctx);
+  const ShrinkPlan plan = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
+                                      aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()));
+  const ShrinkArgs p =
+      make_shrink_args(make_work(work, lora_ranks, permutation, max_tiles, x.size(0)), x, lora_a, num_slices, plan);
+  const LaunchCfg cfg = make_cfg(max_tiles * plan.n_tiles * plan.splits, plan.ctas_per_sm);
+  if (plan.splits == 1) {
+    run_shrink(x, lora_a, v.data_ptr(), v.scalar_type(), nullptr, p, plan, cfg);
     return;
   }
-  // Few rows: K is split over blocks into fp32 planes, summed in plane order by a second pass.
-  at::Tensor ws = at::empty({sp.splits, v.size(0), v.size(1)}, x.options().dtype(at::kFloat));
-  p.splits = sp.splits;
-  p.k_chunk = sp.k_chunk;
-  p.split_stride = v.size(0) * v.size(1);
-  launch_shrink(x, lora_a, p, sp, v.scalar_type(), v.data_ptr(), ws.data_ptr<float>(), ctx);
-  dispatch(v.scalar_type(), v.scalar_type(), [&](auto vt, auto) {
-    using V = decltype(vt);
-    launch_split_reduce<V>(ws.data_ptr<float>(), reinterpret_cast<V*>(v.data_ptr()), p,
-                           static_cast<int>(v.size(0)), ctx);
-  });
+  // K split into fp32 planes, then summed in plane order into v (the same sums sgmv_apply's expand makes).
+  at::Tensor ws = at::empty({plan.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
+  run_shrink(x, lora_a, v.data_ptr(), v.scalar_type(), ws.data_ptr<float>(), p, plan, cfg);
+  run_split_reduce(ws.data_ptr<float>(), v.data_ptr(), v.scalar_type(), p, make_cfg(max_tiles, 4));
 }
 
-void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
-                 const at::Tensor& weight_indices, const at::Tensor& lora_ranks, const at::Tensor& scalings,
-                 const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
-                 int64_t max_seg_len, at::Tensor& out) {
-  check_expand_args(lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets, out);
+void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor& work, const at::Tensor& lora_ranks,
+                 const at::Tensor& scalings, const std::optional<at::Tensor>& permutation,
+                 at::IntArrayRef slice_offsets, int64_t max_tiles, at::Tensor& out) {
+  check_expand_args(lora_b, lora_ranks, scalings, slice_offsets, out);
+  check_work(out, work, lora_ranks, permutation, max_tiles);
   CHECK_INPUT(v);
   CHECK_DIM(2, v);  // [T, S*R]
   CHECK_SAME_DEVICE(v, out);
   const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
-  const int64_t max_rank = lora_b.size(2);
-  TORCH_CHECK(v.size(1) == num_slices * max_rank, "v has ", v.size(1), " columns, expected num_slices*R=",
-              num_slices * max_rank);
-  TORCH_CHECK(v.size(0) == out.size(0), "v has ", v.size(0), " rows but out has ", out.size(0));
-  const at::cuda::OptionalCUDAGuard guard(v.device());
-  auto p = make_params(seg_indptr, weight_indices, lora_ranks, permutation, num_slices, max_rank);
-  p.scalings = scalings.data_ptr<float>();
-  p.out_total = static_cast<int>(out.size(1));
-  for (int i = 0; i <= num_slices; ++i) p.slice_offsets[i] = static_cast<int>(slice_offsets[i]);
-  if (p.num_segments == 0 || p.out_total == 0 || max_rank == 0) return;
-  run_expand(v, lora_b, p, out, make_ctx(out.size(0), max_seg_len, false));
+  TORCH_CHECK(v.size(0) == out.size(0) && v.size(1) == num_slices * lora_b.size(2), "v must have shape [",
+              out.size(0), ", num_slices*R=", num_slices * lora_b.size(2), "], got ", v.sizes());
+  TORCH_CHECK(out.size(0) < (int64_t{1} << 31), "out is too large: ", out.sizes());
+  if (max_tiles == 0 || out.numel() == 0 || lora_b.size(2) == 0) return;
+  const at::cuda::OptionalCUDAGuard guard(out.device());
+  const ExpandPlan plan = expand_plan_for(lora_b, slice_offsets, out, v.data_ptr(), static_cast<int>(v.element_size()));
+  if (plan.n_tiles == 0) return;
+  const ExpandArgs p = make_expand_args(make_work(work, lora_ranks, permutation, max_tiles, out.size(0)), lora_b,
+                                        scalings, slice_offsets, out, plan, 1);
+  run_expand(v.data_ptr(), v.scalar_type(), lora_b, out, p, plan, make_cfg(max_tiles * plan.n_tiles, plan.ctas_per_sm));
 }
 
-void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                const at::Tensor& seg_indptr, const at::Tensor& weight_indices, const at::Tensor& lora_ranks,
-                const at::Tensor& scalings, const std::optional<at::Tensor>& permutation,
-                at::IntArrayRef slice_offsets, int64_t max_seg_len, at::Tensor& out) {
+void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+                const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
+                at::Tensor& out) {
   const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
-  check_expand_args(lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets, out);
-  check_shrink_args(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices);
+  check_expand_args(lora_b, lora_ranks, scalings, slice_offsets, out);
+  check_shrink_args(x, lora_a, lora_ranks, num_slices);
+  check_work(x, work, lora_ranks, permutation, max_tiles);
   CHECK_SAME_DEVICE(out, x);
   CHECK_DTYPE(out, x.scalar_type());
   TORCH_CHECK(out.size(0) == x.size(0), "out has ", out.size(0), " rows but x has ", x.size(0));
   TORCH_CHECK(lora_a.size(1) == num_slices * lora_b.size(2), "lora_a has ", lora_a.size(1),
               " rows but num_slices*R = ", num_slices, "*", lora_b.size(2));
+  if (max_tiles == 0 || out.numel() == 0 || lora_b.size(2) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
-  auto p = make_params(seg_indptr, weight_indices, lora_ranks, permutation, num_slices, lora_b.size(2));
-  p.in_dim = static_cast<int>(x.size(1));
-  p.scalings = scalings.data_ptr<float>();
-  p.out_total = static_cast<int>(out.size(1));
-  for (int i = 0; i <= num_slices; ++i) p.slice_offsets[i] = static_cast<int>(slice_offsets[i]);
-  if (p.num_segments == 0 || p.out_total == 0 || lora_b.size(2) == 0) return;
-  const LaunchCtx ctx = make_ctx(x.size(0), max_seg_len, false);
-  const ShrinkPlan sp = plan_shrink(x, lora_a, true, p, ctx);
-  // v (or its split-K planes, which the expand sums) is written by the shrink for every covered row
-  // before the expand reads those rows; other rows are never read.
-  at::Tensor v = at::empty({sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
-  p.splits = sp.splits;
-  p.k_chunk = sp.k_chunk;
-  p.split_stride = x.size(0) * lora_a.size(1);
-  float* vp = v.data_ptr<float>();
-  launch_shrink(x, lora_a, p, sp, at::kFloat, vp, sp.splits > 1 ? vp : nullptr, ctx);
-  // The expand may start while the shrink runs (its weight and out reads overlap it); it waits for
-  // the shrink before reading v.
-  run_expand(v, lora_b, p, out, make_ctx(out.size(0), max_seg_len, pdl_enabled()));
+  const ShrinkPlan sp = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
+                                    aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()));
+  const WorkArgs w = make_work(work, lora_ranks, permutation, max_tiles, x.size(0));
+  const ShrinkArgs p = make_shrink_args(w, x, lora_a, num_slices, sp);
+  // fp32 v, or the shrink's split-K planes, which the expand sums in plane order: the same bits as
+  // sgmv_shrink (planes reduced in the same order) followed by sgmv_expand on an fp32 v.
+  at::Tensor ws = at::empty({sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
+  float* wsp = ws.data_ptr<float>();
+  run_shrink(x, lora_a, wsp, at::kFloat, sp.splits > 1 ? wsp : nullptr, p, sp,
+             make_cfg(max_tiles * sp.n_tiles * sp.splits, sp.ctas_per_sm));
+  const ExpandPlan ep = expand_plan_for(lora_b, slice_offsets, out, wsp, 4);
+  if (ep.n_tiles == 0) return;
+  int planes = sp.splits;
+  at::Tensor v_sum;
+  if (planes > 1 && x.size(0) >= kReduceFirstRows) {
+    // Many rows: sum the planes once instead of in every column tile of the expand (same order, same bits).
+    v_sum = at::empty({x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
+    run_split_reduce(wsp, v_sum.data_ptr(), at::kFloat, p, make_cfg(max_tiles, 4));
+    wsp = v_sum.data_ptr<float>();
+    planes = 1;
+  }
+  const ExpandArgs e = make_expand_args(w, lora_b, scalings, slice_offsets, out, ep, planes);
+  run_expand(wsp, at::kFloat, lora_b, out, e, ep, make_cfg(max_tiles * ep.n_tiles, ep.ctas_per_sm));
 }
 
 }  // namespace lora_kernels

@@ -1,11 +1,17 @@
 """The `cuda` backend: the compiled extension `lora_kernels._C` (csrc/), loaded once, and the fake
-(meta) kernels of its ops, so that torch.compile and torch.library.opcheck can trace them."""
+(meta) kernels of its ops, so that torch.compile and torch.library.opcheck can trace them.
+
+The flat schemas take the batch as the builder's work list (`LoRABatchInfo.work`, `max_tiles`; see
+lora_kernels/batch_info.py) plus `lora_ranks`, `scalings` and the optional permutation:
+
+    sgmv_shrink(x, lora_a, work, lora_ranks, permutation, num_slices, max_tiles, v!)
+    sgmv_expand(v, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out!)
+    sgmv_apply(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out!)
+"""
 
 from __future__ import annotations
 
 import torch
-
-from lora_kernels.backends.base import segment_args
 
 try:
     from lora_kernels import _C  # noqa: F401  (loading it registers torch.ops.lora_kernels.*)
@@ -15,6 +21,14 @@ try:
 except ImportError as e:  # not built (no nvcc / LORA_KERNELS_BUILD_CUDA=0) or built for another torch
     HAS_CUDA_EXT = False
     CUDA_EXT_ERROR = str(e)
+
+
+def work_args(info) -> tuple:
+    """(work, lora_ranks, permutation): the batch as the schemas take it."""
+    if info.work is None:
+        raise ValueError("info has no work list (LoRABatchInfo.work): build it with BatchInfoBuilder.build or "
+                         "LoRABatchInfo.from_segments")
+    return info.work, info.lora_ranks, info.permutation
 
 
 class CudaBackend:
@@ -28,32 +42,31 @@ class CudaBackend:
         return None
 
     def sgmv_shrink(self, x, lora_a, info, num_slices, out):
-        torch.ops.lora_kernels.sgmv_shrink.default(x, lora_a, *segment_args(info), num_slices, info.max_seg_len, out)
+        work, ranks, perm = work_args(info)
+        torch.ops.lora_kernels.sgmv_shrink.default(x, lora_a, work, ranks, perm, num_slices, info.max_tiles, out)
 
     def sgmv_expand(self, v, lora_b, info, slice_offsets, out):
-        seg_indptr, weight_indices, lora_ranks, perm = segment_args(info)
-        torch.ops.lora_kernels.sgmv_expand.default(v, lora_b, seg_indptr, weight_indices, lora_ranks, info.scalings,
-                                                   perm, list(slice_offsets), info.max_seg_len, out)
+        work, ranks, perm = work_args(info)
+        torch.ops.lora_kernels.sgmv_expand.default(v, lora_b, work, ranks, info.scalings, perm, list(slice_offsets),
+                                                   info.max_tiles, out)
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
-        seg_indptr, weight_indices, lora_ranks, perm = segment_args(info)
-        torch.ops.lora_kernels.sgmv_apply.default(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks,
-                                                  info.scalings, perm, list(slice_offsets), info.max_seg_len, base_out)
+        work, ranks, perm = work_args(info)
+        torch.ops.lora_kernels.sgmv_apply.default(x, lora_a, lora_b, work, ranks, info.scalings, perm,
+                                                  list(slice_offsets), info.max_tiles, base_out)
 
 
 def _register_fakes() -> None:
     @torch.library.register_fake("lora_kernels::sgmv_shrink")
-    def _shrink_fake(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, max_seg_len, v):
+    def _shrink_fake(x, lora_a, work, lora_ranks, permutation, num_slices, max_tiles, v):
         return None
 
     @torch.library.register_fake("lora_kernels::sgmv_expand")
-    def _expand_fake(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
-                     max_seg_len, out):
+    def _expand_fake(v, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
         return None
 
     @torch.library.register_fake("lora_kernels::sgmv_apply")
-    def _apply_fake(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
-                    max_seg_len, out):
+    def _apply_fake(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
         return None
 
     @torch.library.register_fake("lora_kernels::batched_h2d_copy")

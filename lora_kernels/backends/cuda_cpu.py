@@ -1,29 +1,44 @@
-"""CPU kernels (the reference) for the extension's SGMV schemas, so the same ops run, and are
-op-checked, on a CPU-only machine (CI)."""
+"""CPU kernels of the extension's SGMV schemas (reference.py over the rows the work list covers), so the
+same ops run, and are op-checked, on a CPU-only machine (CI)."""
 
 from __future__ import annotations
 
 import torch
 
 from lora_kernels import reference
+from lora_kernels.batch_info import TILE_M
+
+
+def work_rows(work: torch.Tensor, max_tiles: int, permutation: torch.Tensor | None, num_slots: int):
+    """The rows the work list covers as one-row segments: (seg_indptr, weight_indices, permutation) for
+    reference.py, in tile order (segmented row i of tile t is physical row permutation[row0 + i]). A slot
+    outside [0, num_slots) means no LoRA, as in the CUDA kernels."""
+    m = max_tiles
+    n = min(max(int(work[0]), 0), m)
+    slots, row0, end = work[1:1 + n].long(), work[1 + m:1 + m + n].long(), work[1 + 2 * m:1 + 2 * m + n].long()
+    counts = (end - row0).clamp(0, TILE_M)
+    first = torch.cumsum(counts, 0) - counts
+    seg_rows = torch.repeat_interleave(row0 - first, counts) + torch.arange(int(counts.sum()))
+    rows = seg_rows if permutation is None else permutation.long()[seg_rows]
+    indptr = torch.arange(rows.numel() + 1, dtype=torch.int32)
+    slots = torch.where((slots >= 0) & (slots < num_slots), slots, -1)
+    return indptr, torch.repeat_interleave(slots, counts).int(), rows.int()
 
 
 def register() -> None:
     @torch.library.impl("lora_kernels::sgmv_shrink", "CPU")
-    def _shrink_cpu(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, max_seg_len, v):
-        reference.sgmv_shrink(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, num_slices, v)
+    def _shrink_cpu(x, lora_a, work, lora_ranks, permutation, num_slices, max_tiles, v):
+        indptr, slots, rows = work_rows(work, max_tiles, permutation, lora_ranks.shape[0])
+        reference.sgmv_shrink(x, lora_a, indptr, slots, lora_ranks, rows, num_slices, v)
 
     @torch.library.impl("lora_kernels::sgmv_expand", "CPU")
-    def _expand_cpu(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
-                    max_seg_len, out):
-        reference.sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation,
-                              slice_offsets, out)
+    def _expand_cpu(v, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
+        indptr, slots, rows = work_rows(work, max_tiles, permutation, lora_ranks.shape[0])
+        reference.sgmv_expand(v, lora_b, indptr, slots, lora_ranks, scalings, rows, slice_offsets, out)
 
     @torch.library.impl("lora_kernels::sgmv_apply", "CPU")
-    def _apply_cpu(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets,
-                   max_seg_len, out):
+    def _apply_cpu(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
+        indptr, slots, rows = work_rows(work, max_tiles, permutation, lora_ranks.shape[0])
         v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32)
-        reference.sgmv_shrink(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, len(slice_offsets) - 1,
-                              v)
-        reference.sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation,
-                              slice_offsets, out)
+        reference.sgmv_shrink(x, lora_a, indptr, slots, lora_ranks, rows, len(slice_offsets) - 1, v)
+        reference.sgmv_expand(v, lora_b, indptr, slots, lora_ranks, scalings, rows, slice_offsets, out)

@@ -1,0 +1,68 @@
+// The launch helper every launcher uses: persistent 1-D grids on a given stream, with programmatic
+// dependent launch (PDL) where the kernel has real griddepcontrol. Raw CUDA runtime; no torch headers.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <vector>
+
+namespace lora_kernels {
+
+struct LaunchCfg {
+  cudaStream_t stream;
+  int grid;  // persistent CTAs (see ops/sgmv_plan.h: a multiple of the SM count, capped by the work)
+  bool pdl;  // the caller wants PDL (sm_90+ device, LORA_KERNELS_PDL != 0)
+};
+
+// Whether `Kernel` was compiled from sm_90+ code, i.e. whether its griddepcontrol instructions exist.
+// A compute_80 PTX build JIT-compiled for a newer GPU compiles them to nothing, so it must not be
+// launched with PDL (its consumers could then run before it finished).
+template <auto Kernel>
+bool has_griddep_control() {
+  static const bool ok = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, Kernel) == cudaSuccess && attr.ptxVersion >= 90;
+  }();
+  return ok;
+}
+
+// cudaFuncSetAttribute for dynamic shared memory above 48 KB, once per kernel and device.
+template <auto Kernel>
+cudaError_t allow_dynamic_smem(int bytes) {
+  static std::mutex mu;
+  static std::vector<bool> done;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<int>(done.size()) <= dev) done.resize(dev + 1, false);
+  if (!done[dev]) {
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+    done[dev] = true;
+  }
+  return cudaSuccess;
+}
+
+// Launches Kernel<<<cfg.grid, threads, smem, cfg.stream>>>(args...), with the programmatic-serialization
+// attribute when cfg.pdl and the kernel supports it. Returns the launch error (the caller checks it).
+template <auto Kernel, typename... Args>
+cudaError_t launch_kernel(const LaunchCfg& cfg, int threads, int smem, Args... args) {
+  if (smem > 48 * 1024) {
+    const cudaError_t err = allow_dynamic_smem<Kernel>(smem);
+    if (err != cudaSuccess) return err;
+  }
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(cfg.grid);
+  lc.blockDim = dim3(threads);
+  lc.dynamicSmemBytes = smem;
+  lc.stream = cfg.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = cfg.pdl && has_griddep_control<Kernel>() ? 1 : 0;
+  return cudaLaunchKernelEx(&lc, Kernel, args...);
+}
+
+}  // namespace lora_kernels

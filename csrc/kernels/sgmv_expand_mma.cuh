@@ -1,0 +1,165 @@
+// Tensor-core expand over the work list (fp16/bf16; R % 8 == 0; every slice offset % 8 == 0; lora_b, out
+// 16-byte aligned; v aligned to 4 of its elements):
+//   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
+// Item (tile t, column tile ct) of a persistent grid; column tiles of kExpandBN columns are numbered
+// over all slices (ExpandArgs::tile_start) and never cross a slice. 8 warps in 2x4, 32x32 each. v is
+// the sum of p.splits planes taken in plane order (the shrink's fp32 partials inside sgmv_apply), then
+// rounded to T for the MMA. The first weight slab is requested before griddep_wait; v and out after
+// it. The epilogue adds scaling * acc to the out tile in shared memory and writes it back with 16-byte
+// stores. Rows of slot -1 / rank-0 tiles are not touched. Raw pointers only; no torch headers.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "kernels/launch.cuh"
+#include "kernels/mma_tile.cuh"
+
+namespace lora_kernels {
+
+constexpr int kExpandBN = 128, kExpandThreads = 256;
+constexpr int kExpandOutLd = kExpandBN + 8;  // padded row: epilogue fragment accesses hit distinct banks
+constexpr int kExpandSmemBytes = (kTileM * kExpandOutLd + (kTileM + kExpandBN) * kMmaBK) * 2;
+
+struct ExpandItem {
+  TileInfo ti;
+  int n0, n_end;  // output columns [n0, min(n0 + kExpandBN, n_end))
+  int vcol0;      // first column of the slice in v
+};
+
+// Weight slab kt: rows n0.. of lora_b[slot], ranks [kt*64, kt*64 + 64), zero-filled past the rank.
+template <typename T>
+__device__ __forceinline__ void expand_load_b(T* bs, const T* b, const ExpandArgs& p, const ExpandItem& it, int kt) {
+#pragma unroll
+  for (int i = 0; i < (kExpandBN * kMmaBK / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 3, c = idx & 7;
+    const int n = it.n0 + r, j = kt * kMmaBK + c * 8;
+    const int bytes = n < it.n_end ? max(0, min(16, (it.ti.rank - j) * 2)) : 0;
+    cp_async16(bs + swz(r, c), bytes ? b + (static_cast<int64_t>(it.ti.slot) * p.out_total + n) * p.R + j : b, bytes);
+  }
+}
+
+// The out tile (rows of the tile, the item's columns) into out_sm, 16 bytes per copy.
+template <typename T>
+__device__ __forceinline__ void expand_load_out(T* out_sm, const T* out, const ExpandArgs& p, const ExpandItem& it,
+                                                const int* rows_sm) {
+#pragma unroll
+  for (int i = 0; i < (kTileM * kExpandBN / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
+    if (rows_sm[r] >= 0 && it.n0 + c * 8 < it.n_end)
+      cp_async16(out_sm + r * kExpandOutLd + c * 8, out + static_cast<int64_t>(rows_sm[r]) * p.out_total + it.n0 + c * 8,
+                 16);
+  }
+}
+
+// vs = v[rows, slice columns kt*64 .. +64] as T: the planes summed in order, 0 past the rank and for
+// rows outside the tile. v is read through L2 only: an earlier grid wrote it.
+template <typename T, typename V>
+__device__ __forceinline__ void expand_fill_v(T* vs, const V* v, const ExpandArgs& p, const ExpandItem& it,
+                                              const int* rows_sm, int kt) {
+#pragma unroll
+  for (int i = 0; i < (kTileM * kMmaBK / 4) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, q = idx & 15;
+    const int j0 = kt * kMmaBK + q * 4;
+    float f[4] = {0.f, 0.f, 0.f, 0.f};
+    const int64_t row = rows_sm[r];
+    if (row >= 0 && j0 < it.ti.rank) {
+      const V* src = v + row * p.N + it.vcol0 + j0;
+      for (int sp = 0; sp < p.splits; ++sp) {
+        const Pack<V, 4> pk = load_cg<V, 4>(src + sp * p.split_stride);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[e] += to_float(pk.v[e]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[e] = j0 + e < it.ti.rank ? f[e] : 0.f;
+    }
+    Pack<T, 4> t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(f[e]);
+    *reinterpret_cast<Pack<T, 4>*>(vs + swz(r, q >> 1) + (q & 1) * 4) = t;
+  }
+}
+
+// out tile += scale * acc in shared memory, then 16-byte stores of the covered rows.
+template <typename T>
+__device__ __forceinline__ void expand_epilogue(const WarpAcc& acc, T* out_sm, T* out, const ExpandArgs& p,
+                                                const ExpandItem& it, const int* rows_sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float scale = p.scalings[it.ti.slot];
+  for_each_acc_pair(acc, (warp >> 2) * 32, (warp & 3) * 32, lane, [&](int r, int c, float lo, float hi) {
+    if (rows_sm[r] < 0 || it.n0 + c >= it.n_end) return;
+    T* o = out_sm + r * kExpandOutLd + c;
+    const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
+    store_pair(o, to_float(old.v[0]) + scale * lo, to_float(old.v[1]) + scale * hi);
+  });
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < (kTileM * kExpandBN / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
+    if (rows_sm[r] >= 0 && it.n0 + c * 8 < it.n_end)
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(rows_sm[r]) * p.out_total + it.n0 + c * 8) =
+          *reinterpret_cast<const uint4*>(out_sm + r * kExpandOutLd + c * 8);
+  }
+}
+
+template <typename T, typename V>
+__device__ __forceinline__ void expand_item_mma(const V* v, const T* b, T* out, const ExpandArgs& p,
+                                                const ExpandItem& it, const int* rows_sm, T* out_sm, bool& waited) {
+  T* vs = out_sm + kTileM * kExpandOutLd;  // [kTileM * kMmaBK]
+  T* bs = vs + kTileM * kMmaBK;            // [kExpandBN * kMmaBK]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+  const bool warp_live = it.n0 + wn * 32 < it.n_end && wm * 32 < it.ti.rows;
+  const int KT = (it.ti.rank + kMmaBK - 1) / kMmaBK;
+  WarpAcc acc;
+  zero_acc(acc);
+  for (int kt = 0; kt < KT; ++kt) {
+    expand_load_b(bs, b, p, it, kt);
+    cp_async_commit();
+    if (kt == 0) {
+      wait_once(waited);  // v and out are written by earlier kernels
+      expand_load_out(out_sm, out, p, it, rows_sm);
+      cp_async_commit();
+    }
+    expand_fill_v(vs, v, p, it, rows_sm, kt);
+    cp_async_wait<0>();
+    __syncthreads();  // vs, bs (and the out tile) are complete
+    if (warp_live)
+      warp_mma_slab<T>(acc, vs, bs, wm * 32, wn * 32, min(4, (it.ti.rank - kt * kMmaBK + 15) / 16), lane);
+    __syncthreads();  // vs and bs are refilled by the next slab
+  }
+  expand_epilogue(acc, out_sm, out, p, it, rows_sm);
+}
+
+template <typename T, typename V>
+__global__ void __launch_bounds__(kExpandThreads)
+    sgmv_expand_mma_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* out_sm = reinterpret_cast<T*>(smem_raw);  // [kTileM][kExpandOutLd], then vs and bs
+  __shared__ int rows_sm[kTileM];
+  griddep_launch_dependents();
+  bool waited = false;
+  const int total = num_tiles(p.w) * p.n_tiles;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    ExpandItem it;
+    it.ti = load_tile(p.w, item / p.n_tiles, p.R);
+    if (it.ti.slot < 0) continue;  // block-uniform
+    const int ct = item % p.n_tiles, sl = slice_of(p, ct);
+    it.n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kExpandBN;
+    it.n_end = pick(p.offsets, sl + 1);
+    it.vcol0 = sl * p.R;
+    __syncthreads();  // the previous item is done with rows_sm and out_sm
+    fill_tile_rows(rows_sm, p.w, it.ti);
+    __syncthreads();
+    expand_item_mma<T, V>(v, b, out, p, it, rows_sm, out_sm, waited);
+  }
+  // Every CTA waits on the producer before it exits: the stream's next kernel is ordered after this
+  // grid only, so a grid that finished early (no LoRA rows) could otherwise let it overtake the shrink.
+  wait_once(waited);
+}
+
+template <typename T, typename V>
+cudaError_t launch_expand_mma(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
+  return launch_kernel<sgmv_expand_mma_kernel<T, V>>(cfg, kExpandThreads, kExpandSmemBytes, v, b, out, p);
+}
+
+}  // namespace lora_kernels

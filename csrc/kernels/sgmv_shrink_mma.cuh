@@ -1,0 +1,158 @@
+// Tensor-core shrink over the work list (fp16/bf16; in_dim % 8 == 0; x and lora_a 16-byte aligned):
+//   v[row, c] = sum_k x[row, k] * lora_a[slot, c, k]   for c % R < rank, else 0      (c < N = S*R)
+// Item (tile t, column tile nt, K split ks) of a persistent grid: a kTileM x kShrinkBN block of the
+// tile's rows and columns over the split's K range, through a 4-stage cp.async pipeline; 4 warps in
+// 2x2, 32x32 each. splits == 1: the item writes v. splits > 1: it writes its fp32 partial sums to
+// plane ks of ws, and a later kernel sums the planes in plane order (the batch-invariant reduction:
+// the split count comes from in_dim alone, see ops/sgmv_plan.h). Raw pointers only; no torch headers.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "kernels/launch.cuh"
+#include "kernels/mma_tile.cuh"
+
+namespace lora_kernels {
+
+constexpr int kShrinkBN = 64, kShrinkStages = 4, kShrinkThreads = 128;
+constexpr int kShrinkSmemBytes = kShrinkStages * (kTileM + kShrinkBN) * kMmaBK * 2;
+
+// Where each thread copies from: chunk (tid & 7) of tile rows (tid >> 3) + 16 i, i < 4, of x and of the
+// weight tile, from the split's first K element; masked rows (past the tile, columns at or past the
+// rank) are zero-filled by cp.async, so they contribute exact zeros.
+template <typename T>
+struct ShrinkCopy {
+  const T* x[4];
+  const T* w[4];
+  bool xok[4], wok[4];
+};
+
+template <typename T>
+__device__ __forceinline__ ShrinkCopy<T> shrink_copy_plan(const T* x, const T* a, const ShrinkArgs& p,
+                                                          const TileInfo& ti, const int* rows_sm, int n0,
+                                                          int kbeg) {
+  ShrinkCopy<T> cp;
+  const int chunk = threadIdx.x & 7;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = (threadIdx.x >> 3) + i * 16;
+    cp.xok[i] = rows_sm[r] >= 0;
+    cp.x[i] = x + static_cast<int64_t>(cp.xok[i] ? rows_sm[r] : 0) * p.K + kbeg + chunk * 8;
+    const int n = n0 + r;
+    cp.wok[i] = n < p.N && n % p.R < ti.rank;
+    cp.w[i] = a + (static_cast<int64_t>(ti.slot) * p.N + (cp.wok[i] ? n : 0)) * p.K + kbeg + chunk * 8;
+  }
+  return cp;
+}
+
+// acc = the warp's block of x_tile * w_tile^T over K range [kbeg, kend). The weight slabs of the first
+// stages are requested before griddep_wait (no kernel writes weights); x only after it.
+template <typename T>
+__device__ __forceinline__ void shrink_pipeline(WarpAcc& acc, const ShrinkCopy<T>& cp, const T* x, const T* a,
+                                                T* xs, T* wt, int kbeg, int kend, bool warp_live, bool& waited) {
+  constexpr int BK = kMmaBK, ST = kShrinkStages, BM = kTileM, BN = kShrinkBN;
+  const int KT = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
+  const int tid = threadIdx.x, chunk = tid & 7, lane = tid & 31, warp = tid >> 5;
+  auto load_w = [&](int stage, int kt) {
+    const bool kok = kbeg + kt * BK + chunk * 8 < kend;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool ok = cp.wok[i] && kok;
+      cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * 16, chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
+    }
+  };
+  auto load_x = [&](int stage, int kt) {
+    const bool kok = kbeg + kt * BK + chunk * 8 < kend;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool ok = cp.xok[i] && kok;
+      cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * 16, chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s)
+    if (s < KT) load_w(s, s);
+  wait_once(waited);
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {  // commit group s holds x slab s (group 0 also every early w slab)
+    if (s < KT) load_x(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();  // slab kt landed for all threads; slab kt-1 is free to overwrite
+    const int nk = kt + ST - 1;
+    if (nk < KT) {
+      load_w(nk % ST, nk);
+      load_x(nk % ST, nk);
+    }
+    cp_async_commit();
+    if (warp_live)
+      warp_mma_slab<T>(acc, xs + (kt % ST) * BM * BK, wt + (kt % ST) * BN * BK, (warp >> 1) * 32, (warp & 1) * 32,
+                       4, lane);
+  }
+  cp_async_wait<0>();
+}
+
+// Writes the item's block: v (splits == 1, every column < N) or plane ks of ws (splits > 1).
+template <typename V>
+__device__ __forceinline__ void shrink_store(const WarpAcc& acc, V* v, float* ws, const ShrinkArgs& p,
+                                             const int* rows_sm, int n0, int ks) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for_each_acc_pair(acc, (warp >> 1) * 32, (warp & 1) * 32, lane, [&](int r, int c, float lo, float hi) {
+    const int64_t row = rows_sm[r];
+    const int col = n0 + c;
+    if (row < 0 || col >= p.N) return;
+    if (p.splits == 1) {
+      V* dst = v + row * p.N + col;
+      dst[0] = from_float<V>(lo);
+      if (col + 1 < p.N) dst[1] = from_float<V>(hi);
+    } else {
+      float* dst = ws + ks * p.split_stride + row * p.N + col;
+      dst[0] = lo;
+      if (col + 1 < p.N) dst[1] = hi;
+    }
+  });
+}
+
+template <typename T, typename V>
+__global__ void __launch_bounds__(kShrinkThreads)
+    sgmv_shrink_mma_kernel(const T* __restrict__ x, const T* __restrict__ a, V* __restrict__ v,
+                           float* __restrict__ ws, ShrinkArgs p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* xs = reinterpret_cast<T*>(smem_raw);  // [stages][kTileM * kMmaBK]
+  T* wt = xs + kShrinkStages * kTileM * kMmaBK;  // [stages][kShrinkBN * kMmaBK]
+  __shared__ int rows_sm[kTileM];
+  griddep_launch_dependents();
+  bool waited = false;
+  const int warp = threadIdx.x >> 5;
+  const int per_tile = p.n_tiles * p.splits;
+  const int total = num_tiles(p.w) * per_tile;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int ks = item % p.splits, n0 = (item / p.splits) % p.n_tiles * kShrinkBN;
+    const TileInfo ti = load_tile(p.w, item / per_tile, p.R);
+    __syncthreads();  // the previous item is done with rows_sm and the pipeline buffers
+    fill_tile_rows(rows_sm, p.w, ti);
+    __syncthreads();
+    WarpAcc acc;
+    zero_acc(acc);
+    if (ti.slot >= 0) {
+      const int kbeg = ks * p.k_chunk, kend = min(p.K, kbeg + p.k_chunk);
+      const ShrinkCopy<T> cp = shrink_copy_plan(x, a, p, ti, rows_sm, n0, kbeg);
+      const bool warp_live = n0 + (warp & 1) * 32 < p.N && (warp >> 1) * 32 < ti.rows;
+      shrink_pipeline<T>(acc, cp, x, a, xs, wt, kbeg, kend, warp_live, waited);
+    } else if (p.splits > 1) {
+      continue;  // no partials: the reduction writes the zeros of rows without LoRA
+    }
+    wait_once(waited);
+    shrink_store<V>(acc, v, ws, p, rows_sm, n0, ks);
+  }
+  wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel
+}
+
+template <typename T, typename V>
+cudaError_t launch_shrink_mma(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg) {
+  return launch_kernel<sgmv_shrink_mma_kernel<T, V>>(cfg, kShrinkThreads, kShrinkSmemBytes, x, a, v, ws, p);
+}
+
+}  // namespace lora_kernels

@@ -1,0 +1,32 @@
+// Dispatch of the expand launchers over the dtype list (ops/dtypes.h).
+#include <c10/cuda/CUDAException.h>
+
+#include "ops/dtypes.h"
+#include "ops/sgmv_run.h"
+
+namespace lora_kernels {
+
+void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
+                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg) {
+  const bool ok = dispatch_dtype_v(out.scalar_type(), v_dtype, [&](auto t, auto vt) {
+    using T = decltype(t);
+    using V = decltype(vt);
+    const auto* vp = static_cast<const V*>(v);
+    const auto* bp = static_cast<const T*>(lora_b.data_ptr());
+    auto* op = static_cast<T*>(out.data_ptr());
+    if constexpr (sizeof(T) == 2) {
+      if (plan.mma) {
+        C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg)));
+        return;
+      }
+    }
+    TORCH_CHECK(!plan.mma, "sgmv_expand: plan of a 16-bit kernel for ", out.scalar_type());
+    C10_CUDA_CHECK((launch_expand_simt<T, V>(vp, bp, op, p, cfg)));
+  });
+  TORCH_CHECK(ok, "sgmv_expand: no kernel for dtype=", out.scalar_type(), " v dtype=", v_dtype, " max_rank=", p.R,
+              " num_slices=", p.num_slices, " out_total=", p.out_total,
+              " (supported: fp16/bf16/fp32 with v fp32 or the same dtype, R<=", kMaxRank, ", 1..", kMaxSlices,
+              " slices)");
+}
+
+}  // namespace lora_kernels

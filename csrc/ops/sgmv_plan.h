@@ -1,0 +1,84 @@
+// Every launch decision of the SGMV ops, in one place, computed from shapes only: dtype size, in_dim,
+// the S*R width of v, the pool rank R, the slice offsets, and whether the operands' pointers and rows
+// are 16-byte aligned (else the CUDA-core path). Never from rows, segments or the work list: the
+// kernel path, tile shapes and split-K count fix every reduction order, so a row's bits do not depend
+// on its batch (batch invariance). Batch capacities size only the persistent grid.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/sgmv_expand_mma.cuh"
+#include "kernels/sgmv_shrink_mma.cuh"
+#include "kernels/sgmv_simt.cuh"
+#include "ops/limits.h"
+
+namespace lora_kernels {
+
+constexpr int64_t kSplitMinK = 512;  // tensor-core shrink: at least this many K elements per split
+constexpr int kMaxSplits = 8;        // and at most this many splits
+// sgmv_apply sums the split-K planes in a kernel of its own (instead of in every column tile of the
+// expand) from this many rows of x on. The same sums in the same order either way: no bit changes.
+constexpr int64_t kReduceFirstRows = 1024;
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct ShrinkPlan {
+  bool mma;         // tensor-core kernel; else the CUDA-core one
+  bool vec16;       // CUDA-core kernel: 16-byte loads of x and lora_a
+  int splits;       // K splits (fp32 partial planes summed in plane order); 1 = straight into v
+  int k_chunk;      // K elements per split
+  int n_tiles;      // column tiles of v per work-list tile
+  int ctas_per_sm;  // persistent CTAs per SM
+};
+
+// elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned.
+inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned) {
+  ShrinkPlan s{};
+  s.mma = elem == 2 && K % 8 == 0 && aligned;
+  if (s.mma) {
+    const int64_t splits = std::clamp<int64_t>(cdiv(K, kSplitMinK), 1, kMaxSplits);
+    const int64_t chunk = std::max<int64_t>(cdiv(cdiv(K, splits), kMmaBK) * kMmaBK, kMmaBK);
+    s.k_chunk = static_cast<int>(chunk);
+    s.splits = static_cast<int>(std::max<int64_t>(1, cdiv(K, chunk)));
+    s.n_tiles = static_cast<int>(cdiv(N, kShrinkBN));
+    s.ctas_per_sm = 2;  // 64 KB of pipeline per CTA
+  } else {
+    s.vec16 = (K * elem) % 16 == 0 && aligned;
+    s.splits = 1;
+    s.k_chunk = static_cast<int>(K);
+    s.n_tiles = static_cast<int>(cdiv(N, kSimtCols));
+    s.ctas_per_sm = 4;
+  }
+  return s;
+}
+
+struct ExpandPlan {
+  bool mma;
+  int n_tiles;                     // column tiles over all slices
+  int tile_start[kMaxSlices + 1];  // first column tile of each slice
+  int ctas_per_sm;
+};
+
+// aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements.
+inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int num_slices, bool aligned) {
+  ExpandPlan e{};
+  bool offsets8 = true;
+  for (int i = 0; i <= num_slices; ++i) offsets8 = offsets8 && offsets[i] % 8 == 0;
+  e.mma = elem == 2 && R % 8 == 0 && offsets8 && aligned;
+  const int bn = e.mma ? kExpandBN : kSimtExpandBN;
+  e.tile_start[0] = 0;
+  for (int i = 0; i < kMaxSlices; ++i) {
+    const int64_t width = i < num_slices ? offsets[i + 1] - offsets[i] : 0;
+    e.tile_start[i + 1] = e.tile_start[i] + static_cast<int>(cdiv(width, bn));
+  }
+  e.n_tiles = e.tile_start[num_slices];
+  e.ctas_per_sm = 4;
+  return e;
+}
+
+// Persistent grid: ctas_per_sm CTAs on every SM, never more than the work list's capacity can use.
+inline int persistent_grid(int64_t items_upper, int ctas_per_sm, int num_sms) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items_upper, int64_t{ctas_per_sm} * num_sms)));
+}
+
+}  // namespace lora_kernels

@@ -1,0 +1,19 @@
+// Dtype dispatch of the SGMV launchers (ops/dtypes.h), one translation unit per op family so the
+// kernels compile in parallel: sgmv_shrink.cu (shrink + split reduction) and sgmv_expand.cu.
+#pragma once
+#include <torch/all.h>
+
+#include "ops/sgmv_plan.h"
+
+namespace lora_kernels {
+
+// v (dtype v_dtype) when plan.splits == 1, else the fp32 planes ws[splits][rows][N].
+void run_shrink(const at::Tensor& x, const at::Tensor& lora_a, void* v, at::ScalarType v_dtype, float* ws,
+                const ShrinkArgs& p, const ShrinkPlan& plan, const LaunchCfg& cfg);
+// v = the planes of ws summed in plane order.
+void run_split_reduce(const float* ws, void* v, at::ScalarType v_dtype, const ShrinkArgs& p, const LaunchCfg& cfg);
+// out += expand(sum of p.splits planes of v).
+void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
+                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg);
+
+}  // namespace lora_kernels
