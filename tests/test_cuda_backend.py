@@ -1,10 +1,12 @@
-"""The `cuda` backend (the compiled extension's fast kernels) vs float64 ground truth on the GPU.
+"""The `cuda` backend (the compiled extension's kernels over the builder's work list) vs float64 ground truth.
 
-Covers both kernel families: CUDA-core kernels (segments of <= 8 rows, fp32, rows that are not
-16-byte aligned) and tensor-core kernels (longer fp16/bf16 segments with aligned dims), over adapter
-popularity, permutations, odd sizes, capacity-padded infos, Llama-3-8B shapes, stale weights beyond
-the rank, CUDA-graph replay (bit-equal to eager), determinism and opcheck. On a CPU-only machine only
-the opcheck of the fused op's CPU kernel runs.
+Covers both kernel families, chosen from shapes only: tensor-core kernels (fp16/bf16, 16-byte-aligned rows
+and pointers; split-K shrink into fp32 planes summed in order) and CUDA-core kernels (fp32, odd sizes),
+over adapter popularity, permutations, odd sizes, capacity-padded infos, Llama-3-8B shapes, stale weights
+beyond the rank, CUDA-graph replay (bit-equal to eager), batch invariance (torch.equal of the same rows in
+other batches), determinism and opcheck. On a CPU-only machine the CPU kernels of the schemas, their
+opcheck, torch.compile(fullgraph=True) over the fake kernels, and the C++/Python limits are checked.
+`-k small` selects the small-shape tests that scripts/sanitize.sh runs under compute-sanitizer.
 """
 
 import numpy as np
@@ -113,8 +115,8 @@ def _popularity_case(rng, pop, dtype, permute, n_seg=6, max_len=5, num_slots=5, 
                      permute=permute, extra_rows=2, **kw)
 
 
-# Shapes that reach each kernel family: (max_len, in_dim, R, widths); "aligned long" takes the
-# tensor-core path for fp16/bf16, the others the CUDA-core path (16-byte or scalar loads).
+# Shapes over both kernel families: (max_len, in_dim, R, widths); for fp16/bf16 all but "odd" take the
+# tensor-core kernels ("long_rank_chunks": three rank slabs in the expand), fp32 the CUDA-core ones.
 FAMILIES = {
     "decode_aligned": (1, 64, 16, (40, 8, 16)),
     "short_aligned": (5, 128, 32, (64, 32)),
@@ -141,7 +143,7 @@ def test_popularity_families(dtype, pop, permute, family):
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_odd_sizes(seed, dtype):
-    """Nothing a multiple of 8: scalar-load kernels; up to 4 slices, one of width 0."""
+    """Nothing a multiple of 8: CUDA-core kernels with scalar loads; up to 4 slices, one of width 0."""
     rng = np.random.default_rng([200 + seed, DTYPES.index(dtype)])
     widths = [int(w) for w in rng.choice([1, 7, 33, 129], int(rng.integers(1, 5)))]
     if seed == 3:
@@ -156,7 +158,7 @@ def test_odd_sizes(seed, dtype):
 @GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_v_in_input_dtype(dtype):
-    """v may be the input dtype instead of fp32, on both kernel families."""
+    """v may be the input dtype instead of fp32 (decode-sized and multi-tile segments)."""
     for max_len in (1, 80):
         rng = np.random.default_rng([300 + max_len, DTYPES.index(dtype)])
         case = _popularity_case(rng, "uniform", dtype, True, max_len=max_len, max_rank=16, slice_widths=(64, 32),
