@@ -14,7 +14,7 @@ E="$OUT/evidence.log"
 t0=$(date +%s)
 OUT="$OUT" bash scripts/device_check.sh build >/dev/null || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build $(( $(date +%s) - t0 )) s" | tee -a "$E"
-timeout 170 python3 -m pytest -q --maxfail=15 -p no:cacheprovider tests/test_cuda_backend.py tests/test_extension.py \
+timeout 300 python3 -m pytest -q --maxfail=15 -p no:cacheprovider tests/test_cuda_backend.py tests/test_extension.py \
   >"$OUT/pytest.log" 2>&1; echo "pytest rc=$? $(tail -1 "$OUT/pytest.log")" | tee -a "$E"
 grep -E "^(FAILED|ERROR)|Error|^E " "$OUT/pytest.log" | head -12
 timeout 220 python3 bench/bench_kernels.py --backends triton,cuda --json "$OUT/bench_kernels.jsonl" \
