@@ -225,7 +225,7 @@ def test_cuda_graph_replay_equals_eager(mode, dtype):
     """Capture shrink, expand and apply once with graph-mode infos; replay for 3 other batches of the
     family; bit-equal to eager calls on the same infos."""
     rng = np.random.default_rng([600, ["decode", "general", "sorted"].index(mode), dtype == torch.float32])
-    cap_seg, cap_tok, R, widths, in_dim = 16, 160, 16, (128, 64), 1104  # in_dim 1104: 3 K splits (16-bit)
+    cap_seg, cap_tok, R, widths, in_dim = 16, 160, 16, (128, 64), 1104  # in_dim 1104: 5 K splits (16-bit)
     case = make_case(rng, num_slots=6, max_rank=R, slice_widths=widths, in_dim=in_dim, seg_lens=[cap_tok],
                      slots=[0], dtype=dtype, device="cuda")
     x, a, b, offs = case.x, _poison_stale(case).lora_a, case.lora_b, case.slice_offsets
@@ -480,7 +480,7 @@ def test_opcheck_cuda(dtype, max_len):
 # with and without split-K and its reduction, tensor-core expand with several rank slabs, the CUDA-core
 # kernels with and without 16-byte loads), permutations, padding, slot -1, multi-tile segments.
 SMALL = {  # dtype, in_dim, R, widths, segment lengths
-    "mma_split": (torch.bfloat16, 1104, 16, (64, 32, 8), [70, 1, 3, 0, 2]),  # 3 K splits, a partial last slab
+    "mma_split": (torch.bfloat16, 1104, 16, (64, 32, 8), [70, 1, 3, 0, 2]),  # 5 K splits, a partial last slab
     "mma_split_reduce_first": (torch.float16, 1104, 8, (16,), [1030, 1, 2, 0, 5]),  # >= 1024 rows
     "mma_nosplit": (torch.float16, 64, 136, (24, 128), [70, 1, 3, 0, 2]),  # 3 rank slabs in the expand
     "simt_vec": (torch.float32, 64, 16, (40, 8), [70, 1, 3, 0, 2]),

@@ -13,6 +13,7 @@
 
 #include "kernels/launch.cuh"
 #include "kernels/mma_tile.cuh"
+#include "kernels/planes.cuh"
 
 namespace lora_kernels {
 
@@ -63,12 +64,7 @@ __device__ __forceinline__ void expand_fill_v(T* vs, const V* v, const ExpandArg
     float f[4] = {0.f, 0.f, 0.f, 0.f};
     const int64_t row = rows_sm[r];
     if (row >= 0 && j0 < it.ti.rank) {
-      const V* src = v + row * p.N + it.vcol0 + j0;
-      for (int sp = 0; sp < p.splits; ++sp) {
-        const Pack<V, 4> pk = load_cg<V, 4>(src + sp * p.split_stride);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) f[e] += to_float(pk.v[e]);
-      }
+      sum_planes4(f, v + row * p.N + it.vcol0 + j0, p.split_stride, p.splits);
 #pragma unroll
       for (int e = 0; e < 4; ++e) f[e] = j0 + e < it.ti.rank ? f[e] : 0.f;
     }

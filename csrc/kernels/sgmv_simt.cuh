@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/launch.cuh"
+#include "kernels/planes.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/types.cuh"
 #include "kernels/work.cuh"
@@ -164,8 +165,7 @@ __global__ void __launch_bounds__(kSimtThreads)
         const int r = i / ti.rank, j = i % ti.rank;
         const int64_t row = rows_sm[r];
         float s = 0.f;
-        if (row >= 0)
-          for (int sp = 0; sp < p.splits; ++sp) s += to_float(__ldcg(v + sp * p.split_stride + row * p.N + sl * p.R + j));
+        if (row >= 0) s = sum_planes(v + row * p.N + sl * p.R + j, p.split_stride, p.splits);
         vs[r][j] = s;
       }
       __syncthreads();
@@ -191,8 +191,7 @@ __global__ void __launch_bounds__(kSimtThreads)
       const int64_t row = tile_row(p.w, ti, r);
       if (row < 0) continue;
       float s = 0.f;
-      if (ti.slot >= 0 && c % p.R < ti.rank)
-        for (int sp = 0; sp < p.splits; ++sp) s += __ldcg(ws + sp * p.split_stride + row * p.N + c);
+      if (ti.slot >= 0 && c % p.R < ti.rank) s = sum_planes(ws + row * p.N + c, p.split_stride, p.splits);
       v[row * p.N + c] = from_float<V>(s);
     }
   }

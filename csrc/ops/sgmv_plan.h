@@ -14,8 +14,12 @@
 
 namespace lora_kernels {
 
-constexpr int64_t kSplitMinK = 512;  // tensor-core shrink: at least this many K elements per split
-constexpr int kMaxSplits = 8;        // and at most this many splits
+constexpr int64_t kSplitMinK = 256;  // tensor-core shrink: at least this many K elements (4 slabs) per split
+// At most this many splits, by the width N = S*R of v. At decode a split's weight reads are a chain of
+// dependent pipeline stages, and a narrow v fills few rows of each 64-row weight slab, so narrow shapes
+// need more splits to keep enough bytes in flight; at prefill the planes cost splits * N * 8 bytes of
+// traffic per row (written, then read once), which stays small while N is.
+inline int64_t max_splits(int64_t N) { return N <= 16 ? 32 : (N <= 32 ? 16 : 8); }
 // sgmv_apply sums the split-K planes in a kernel of its own (instead of in every column tile of the
 // expand) from this many rows of x on. The same sums in the same order either way: no bit changes.
 constexpr int64_t kReduceFirstRows = 1024;
@@ -36,7 +40,7 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned) {
   ShrinkPlan s{};
   s.mma = elem == 2 && K % 8 == 0 && aligned;
   if (s.mma) {
-    const int64_t splits = std::clamp<int64_t>(cdiv(K, kSplitMinK), 1, kMaxSplits);
+    const int64_t splits = std::clamp<int64_t>(cdiv(K, kSplitMinK), 1, max_splits(N));
     const int64_t chunk = std::max<int64_t>(cdiv(cdiv(K, splits), kMmaBK) * kMmaBK, kMmaBK);
     s.k_chunk = static_cast<int>(chunk);
     s.splits = static_cast<int>(std::max<int64_t>(1, cdiv(K, chunk)));
