@@ -1,7 +1,8 @@
 // Sums over the split-K planes of the shrink (fp32 partials, or v itself as one plane), added strictly
 // in plane order: the batch-invariant reduction. The loads of kPlaneBatch consecutive planes are issued
-// before their adds so that their latencies overlap (up to 32 planes at decode); the adds stay sequential, so the bits equal the plain
-// loop's. Planes are read through L2 only (ld.global.cg): an earlier grid wrote them. No torch headers.
+// before their adds so that their latencies overlap (up to 32 planes at decode); the adds stay
+// sequential, so the bits equal the plain loop's. Planes are read through L2 only (ld.global.cg): an
+// earlier grid wrote them. No torch headers.
 #pragma once
 #include <cstdint>
 

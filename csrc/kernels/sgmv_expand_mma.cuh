@@ -2,7 +2,8 @@
 // 16-byte aligned; v aligned to 4 of its elements):
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
 // Item (tile t, column tile ct) of a persistent grid; column tiles of kExpandBN columns are numbered
-// over all slices (ExpandArgs::tile_start) and never cross a slice. 8 warps in 2x4, 32x32 each. v is
+// over all slices (ExpandArgs::tile_start) and never cross a slice. 8 warps side by side, each all
+// kTileM rows x 16 columns. v is
 // the sum of p.splits planes taken in plane order (the shrink's fp32 partials inside sgmv_apply), then
 // rounded to T for the MMA. The first weight slab is requested before griddep_wait; v and out after
 // it. The epilogue adds scaling * acc to the out tile in shared memory and writes it back with 16-byte
@@ -20,6 +21,9 @@ namespace lora_kernels {
 constexpr int kExpandBN = 128, kExpandThreads = 256;
 constexpr int kExpandOutLd = kExpandBN + 8;  // padded row: epilogue fragment accesses hit distinct banks
 constexpr int kExpandSmemBytes = (kTileM * kExpandOutLd + (kTileM + kExpandBN) * kMmaBK) * 2;
+static_assert(kExpandBN == kWarpN * (kExpandThreads / 32) && (kTileM * kExpandBN / 8) % kExpandThreads == 0 &&
+                  (kTileM * kMmaBK / 4) % kExpandThreads == 0 && (kExpandBN * kMmaBK / 8) % kExpandThreads == 0,
+              "copy and warp layouts cover the tiles exactly");
 
 struct ExpandItem {
   TileInfo ti;
@@ -47,8 +51,8 @@ __device__ __forceinline__ void expand_load_out(T* out_sm, const T* out, const E
   for (int i = 0; i < (kTileM * kExpandBN / 8) / kExpandThreads; ++i) {
     const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
     if (rows_sm[r] >= 0 && it.n0 + c * 8 < it.n_end)
-      cp_async16(out_sm + r * kExpandOutLd + c * 8, out + static_cast<int64_t>(rows_sm[r]) * p.out_total + it.n0 + c * 8,
-                 16);
+      cp_async16(out_sm + r * kExpandOutLd + c * 8,
+                 out + static_cast<int64_t>(rows_sm[r]) * p.out_total + it.n0 + c * 8, 16);
   }
 }
 
@@ -77,11 +81,11 @@ __device__ __forceinline__ void expand_fill_v(T* vs, const V* v, const ExpandArg
 
 // out tile += scale * acc in shared memory, then 16-byte stores of the covered rows.
 template <typename T>
-__device__ __forceinline__ void expand_epilogue(const WarpAcc& acc, T* out_sm, T* out, const ExpandArgs& p,
+__device__ __forceinline__ void expand_epilogue(const TileAcc& acc, T* out_sm, T* out, const ExpandArgs& p,
                                                 const ExpandItem& it, const int* rows_sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float scale = p.scalings[it.ti.slot];
-  for_each_acc_pair(acc, (warp >> 2) * 32, (warp & 3) * 32, lane, [&](int r, int c, float lo, float hi) {
+  for_each_acc_pair(acc, 0, warp * kWarpN, lane, [&](int r, int c, float lo, float hi) {
     if (rows_sm[r] < 0 || it.n0 + c >= it.n_end) return;
     T* o = out_sm + r * kExpandOutLd + c;
     const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
@@ -103,10 +107,9 @@ __device__ __forceinline__ void expand_item_mma(const V* v, const T* b, T* out, 
   T* vs = out_sm + kTileM * kExpandOutLd;  // [kTileM * kMmaBK]
   T* bs = vs + kTileM * kMmaBK;            // [kExpandBN * kMmaBK]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
-  const bool warp_live = it.n0 + wn * 32 < it.n_end && wm * 32 < it.ti.rows;
+  const bool warp_live = it.n0 + warp * kWarpN < it.n_end;
   const int KT = (it.ti.rank + kMmaBK - 1) / kMmaBK;
-  WarpAcc acc;
+  TileAcc acc;
   zero_acc(acc);
   for (int kt = 0; kt < KT; ++kt) {
     expand_load_b(bs, b, p, it, kt);
@@ -120,7 +123,8 @@ __device__ __forceinline__ void expand_item_mma(const V* v, const T* b, T* out, 
     cp_async_wait<0>();
     __syncthreads();  // vs, bs (and the out tile) are complete
     if (warp_live)
-      warp_mma_slab<T>(acc, vs, bs, wm * 32, wn * 32, min(4, (it.ti.rank - kt * kMmaBK + 15) / 16), lane);
+      warp_mma_slab<T, kWarpMT, kWarpNT>(acc, vs, bs, 0, warp * kWarpN, min(4, (it.ti.rank - kt * kMmaBK + 15) / 16),
+                                         lane);
     __syncthreads();  // vs and bs are refilled by the next slab
   }
   expand_epilogue(acc, out_sm, out, p, it, rows_sm);

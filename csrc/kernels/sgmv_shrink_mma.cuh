@@ -1,10 +1,10 @@
 // Tensor-core shrink over the work list (fp16/bf16; in_dim % 8 == 0; x and lora_a 16-byte aligned):
 //   v[row, c] = sum_k x[row, k] * lora_a[slot, c, k]   for c % R < rank, else 0      (c < N = S*R)
 // Item (tile t, column tile nt, K split ks) of a persistent grid: a kTileM x kShrinkBN block of the
-// tile's rows and columns over the split's K range, through a 4-stage cp.async pipeline; 4 warps in
-// 2x2, 32x32 each. splits == 1: the item writes v. splits > 1: it writes its fp32 partial sums to
-// plane ks of ws, and a later kernel sums the planes in plane order (the batch-invariant reduction:
-// the split count comes from in_dim alone, see ops/sgmv_plan.h). Raw pointers only; no torch headers.
+// tile's rows and columns over the split's K range, through a 4-stage cp.async pipeline; 4 warps side by
+// side, each all kTileM rows x 16 columns. splits == 1: the item writes v. splits > 1: it writes its fp32
+// partial sums to plane ks of ws, and a later kernel sums the planes in plane order (the batch-invariant
+// reduction: the split count comes from the shapes alone, see ops/sgmv_plan.h). Raw pointers only; no torch headers.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -16,15 +16,21 @@ namespace lora_kernels {
 
 constexpr int kShrinkBN = 64, kShrinkStages = 4, kShrinkThreads = 128;
 constexpr int kShrinkSmemBytes = kShrinkStages * (kTileM + kShrinkBN) * kMmaBK * 2;
+constexpr int kShrinkXCopies = kTileM * 8 / kShrinkThreads;     // 16-byte copies per thread per x slab
+constexpr int kShrinkWCopies = kShrinkBN * 8 / kShrinkThreads;  // and per weight slab
+static_assert(kShrinkXCopies * kShrinkThreads == kTileM * 8 && kShrinkWCopies * kShrinkThreads == kShrinkBN * 8,
+              "the copy layout covers the tiles exactly");
+static_assert(kShrinkBN == kWarpN * (kShrinkThreads / 32), "the warps cover the column tile exactly");
 
-// Where each thread copies from: chunk (tid & 7) of tile rows (tid >> 3) + 16 i, i < 4, of x and of the
-// weight tile, from the split's first K element; masked rows (past the tile, columns at or past the
-// rank) are zero-filled by cp.async, so they contribute exact zeros.
+// Where each thread copies from: chunk (tid & 7) of rows (tid >> 3) + 16 i of the x tile
+// (i < kShrinkXCopies) and of the weight tile (i < kShrinkWCopies), from the split's first K element;
+// masked rows (past the tile, columns at or past the rank) are zero-filled by cp.async, so they
+// contribute exact zeros.
 template <typename T>
 struct ShrinkCopy {
-  const T* x[4];
-  const T* w[4];
-  bool xok[4], wok[4];
+  const T* x[kShrinkXCopies];
+  const T* w[kShrinkWCopies];
+  bool xok[kShrinkXCopies], wok[kShrinkWCopies];
 };
 
 template <typename T>
@@ -34,11 +40,14 @@ __device__ __forceinline__ ShrinkCopy<T> shrink_copy_plan(const T* x, const T* a
   ShrinkCopy<T> cp;
   const int chunk = threadIdx.x & 7;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = (threadIdx.x >> 3) + i * 16;
+  for (int i = 0; i < kShrinkXCopies; ++i) {
+    const int r = (threadIdx.x >> 3) + i * (kShrinkThreads / 8);
     cp.xok[i] = rows_sm[r] >= 0;
     cp.x[i] = x + static_cast<int64_t>(cp.xok[i] ? rows_sm[r] : 0) * p.K + kbeg + chunk * 8;
-    const int n = n0 + r;
+  }
+#pragma unroll
+  for (int i = 0; i < kShrinkWCopies; ++i) {
+    const int n = n0 + (threadIdx.x >> 3) + i * (kShrinkThreads / 8);
     cp.wok[i] = n < p.N && n % p.R < ti.rank;
     cp.w[i] = a + (static_cast<int64_t>(ti.slot) * p.N + (cp.wok[i] ? n : 0)) * p.K + kbeg + chunk * 8;
   }
@@ -48,7 +57,7 @@ __device__ __forceinline__ ShrinkCopy<T> shrink_copy_plan(const T* x, const T* a
 // acc = the warp's block of x_tile * w_tile^T over K range [kbeg, kend). The weight slabs of the first
 // stages are requested before griddep_wait (no kernel writes weights); x only after it.
 template <typename T>
-__device__ __forceinline__ void shrink_pipeline(WarpAcc& acc, const ShrinkCopy<T>& cp, const T* x, const T* a,
+__device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T>& cp, const T* x, const T* a,
                                                 T* xs, T* wt, int kbeg, int kend, bool warp_live, bool& waited) {
   constexpr int BK = kMmaBK, ST = kShrinkStages, BM = kTileM, BN = kShrinkBN;
   const int KT = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
@@ -56,7 +65,7 @@ __device__ __forceinline__ void shrink_pipeline(WarpAcc& acc, const ShrinkCopy<T
   auto load_w = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kShrinkWCopies; ++i) {
       const bool ok = cp.wok[i] && kok;
       cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * 16, chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
     }
@@ -64,7 +73,7 @@ __device__ __forceinline__ void shrink_pipeline(WarpAcc& acc, const ShrinkCopy<T
   auto load_x = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kShrinkXCopies; ++i) {
       const bool ok = cp.xok[i] && kok;
       cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * 16, chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
     }
@@ -88,18 +97,18 @@ __device__ __forceinline__ void shrink_pipeline(WarpAcc& acc, const ShrinkCopy<T
     }
     cp_async_commit();
     if (warp_live)
-      warp_mma_slab<T>(acc, xs + (kt % ST) * BM * BK, wt + (kt % ST) * BN * BK, (warp >> 1) * 32, (warp & 1) * 32,
-                       4, lane);
+      warp_mma_slab<T, kWarpMT, kWarpNT>(acc, xs + (kt % ST) * BM * BK, wt + (kt % ST) * BN * BK, 0, warp * kWarpN,
+                                         4, lane);
   }
   cp_async_wait<0>();
 }
 
 // Writes the item's block: v (splits == 1, every column < N) or plane ks of ws (splits > 1).
 template <typename V>
-__device__ __forceinline__ void shrink_store(const WarpAcc& acc, V* v, float* ws, const ShrinkArgs& p,
+__device__ __forceinline__ void shrink_store(const TileAcc& acc, V* v, float* ws, const ShrinkArgs& p,
                                              const int* rows_sm, int n0, int ks) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for_each_acc_pair(acc, (warp >> 1) * 32, (warp & 1) * 32, lane, [&](int r, int c, float lo, float hi) {
+  for_each_acc_pair(acc, 0, warp * kWarpN, lane, [&](int r, int c, float lo, float hi) {
     const int64_t row = rows_sm[r];
     const int col = n0 + c;
     if (row < 0 || col >= p.N) return;
@@ -134,12 +143,12 @@ __global__ void __launch_bounds__(kShrinkThreads)
     __syncthreads();  // the previous item is done with rows_sm and the pipeline buffers
     fill_tile_rows(rows_sm, p.w, ti);
     __syncthreads();
-    WarpAcc acc;
+    TileAcc acc;
     zero_acc(acc);
     if (ti.slot >= 0) {
       const int kbeg = ks * p.k_chunk, kend = min(p.K, kbeg + p.k_chunk);
       const ShrinkCopy<T> cp = shrink_copy_plan(x, a, p, ti, rows_sm, n0, kbeg);
-      const bool warp_live = n0 + (warp & 1) * 32 < p.N && (warp >> 1) * 32 < ti.rows;
+      const bool warp_live = n0 + warp * kWarpN < p.N;
       shrink_pipeline<T>(acc, cp, x, a, xs, wt, kbeg, kend, warp_live, waited);
     } else if (p.splits > 1) {
       continue;  // no partials: the reduction writes the zeros of rows without LoRA

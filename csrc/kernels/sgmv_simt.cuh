@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(kSimtThreads)
     }
     const T* a_cols = a + (static_cast<int64_t>(ti.slot < 0 ? 0 : ti.slot) * p.N + col0) * p.K;
     wait_once(waited);
-    for (int r0 = 0; r0 < ti.rows; r0 += kSimtRows) shrink_simt_rows<T, V, VEC>(x, a_cols, v, p, ti, r0, col0, live, red);
+    for (int r0 = 0; r0 < ti.rows; r0 += kSimtRows)
+      shrink_simt_rows<T, V, VEC>(x, a_cols, v, p, ti, r0, col0, live, red);
   }
   wait_once(waited);
 }

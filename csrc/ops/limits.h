@@ -7,6 +7,6 @@ namespace lora_kernels {
 
 constexpr int kMaxRank = 256;  // MAX_RANK: largest pool rank R
 constexpr int kMaxSlices = 4;  // MAX_SLICES: slices per module group (qkv = 3, gate_up = 2)
-constexpr int kTileM = 64;     // TILE_M: rows per work-list tile (batch_info.py)
+constexpr int kTileM = 16;     // TILE_M: rows per work-list tile (batch_info.py)
 
 }  // namespace lora_kernels

@@ -45,7 +45,7 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned) {
     s.k_chunk = static_cast<int>(chunk);
     s.splits = static_cast<int>(std::max<int64_t>(1, cdiv(K, chunk)));
     s.n_tiles = static_cast<int>(cdiv(N, kShrinkBN));
-    s.ctas_per_sm = 2;  // 64 KB of pipeline per CTA
+    s.ctas_per_sm = 4;  // 40 KB of pipeline per CTA
   } else {
     s.vec16 = (K * elem) % 16 == 0 && aligned;
     s.splits = 1;
