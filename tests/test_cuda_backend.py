@@ -288,6 +288,7 @@ def _invariance_weights(rng, dtype, in_dim, widths, R, num_slots):
 def _invariance_batch(rng, builder_args, T, target, xt, bt, sort, graph):
     """x, out (rows under test at `where`) and the info of one batch of T decode requests."""
     ranks, scal, num_slots, in_dim, out_total, dtype = builder_args
+    T = max(T, len(target))  # the rows under test need a place each (a "batch of 1" holds 3 requests)
     slots, where = _batch_rows(rng, T, num_slots, target)
     cap = max(T, 256) if graph else T
     builder = lk.BatchInfoBuilder(cap, cap, ranks, scal, cuda_graph=graph)
