@@ -18,6 +18,7 @@ import torch
 
 from lora_kernels.adapters.spec import ModelSpec, ModuleGroup
 from lora_kernels.adapters.tp import shard_spec
+from lora_kernels.limits import MAX_RANK
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,8 +33,8 @@ class GpuAdapterPool:
         model_spec = shard_spec(model_spec, tp_rank, tp_size)
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        if not 1 <= max_rank <= 256:
-            raise ValueError(f"max_rank must be in 1..256, got {max_rank}")
+        if not 1 <= max_rank <= MAX_RANK:
+            raise ValueError(f"max_rank must be in 1..{MAX_RANK}, got {max_rank}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
         self.spec = model_spec
