@@ -156,3 +156,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double().cpu()
     assert not torch.isnan(out).any(), "output has NaN (unwritten poisoned entries?)"
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def batch_rows(rng, n, num_slots, target_slots):
+    """n decode requests: slots of the rows under test (target_slots) at random places among random others."""
+    slots = [int(s) for s in rng.integers(-1, num_slots, n)]
+    where = rng.choice(n, len(target_slots), replace=False)
+    for w, s in zip(where, target_slots):
+        slots[w] = s
+    return slots, where

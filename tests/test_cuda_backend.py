@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import lora_kernels as lk
-from cases import (POPULARITY, TOL, llama_case, make_case, make_info, popularity_slots, rel_err, rowloop_expand,
-                   rowloop_shrink)
+from cases import (POPULARITY, TOL, batch_rows, llama_case, make_case, make_info, popularity_slots, rel_err,
+                   rowloop_expand, rowloop_shrink)
 from lora_kernels import reference
 from lora_kernels.batch_info import TILE_M
 
@@ -268,15 +268,6 @@ def test_cuda_graph_replay_equals_eager(mode, dtype):
             assert not torch.equal(results[1][2], case.base), "the batch changed nothing: the test cannot fail"
 
 
-def _batch_rows(rng, n, num_slots, target_slots):
-    """n decode requests: the rows under test (target_slots) at random places among random others."""
-    slots = [int(s) for s in rng.integers(-1, num_slots, n)]
-    where = rng.choice(n, len(target_slots), replace=False)
-    for w, s in zip(where, target_slots):
-        slots[w] = s
-    return slots, where
-
-
 def _invariance_weights(rng, dtype, in_dim, widths, R, num_slots):
     offs = tuple(int(v) for v in np.concatenate([[0], np.cumsum(widths)]))
     a = (torch.randn(num_slots, len(widths) * R, in_dim, device="cuda") * in_dim ** -0.5).to(dtype)
@@ -289,7 +280,7 @@ def _invariance_batch(rng, builder_args, T, target, xt, bt, sort, graph):
     """x, out (rows under test at `where`) and the info of one batch of T decode requests."""
     ranks, scal, num_slots, in_dim, out_total, dtype = builder_args
     T = max(T, len(target))  # the rows under test need a place each (a "batch of 1" holds 3 requests)
-    slots, where = _batch_rows(rng, T, num_slots, target)
+    slots, where = batch_rows(rng, T, num_slots, target)
     cap = max(T, 256) if graph else T
     builder = lk.BatchInfoBuilder(cap, cap, ranks, scal, cuda_graph=graph)
     info = builder.build([1] * T, slots, sort_by_adapter=sort)

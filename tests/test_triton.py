@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import lora_kernels as lk
-from cases import (POPULARITY, TOL, llama_case, make_case, make_info, popularity_slots, rel_err, rowloop_expand,
-                   rowloop_shrink)
+from cases import (POPULARITY, TOL, batch_rows, llama_case, make_case, make_info, popularity_slots, rel_err,
+                   rowloop_expand, rowloop_shrink)
 from lora_kernels import backends, reference
 from lora_kernels.backends.triton import plan
 
@@ -240,15 +240,6 @@ def test_plans_depend_on_shapes_only():
     assert e.n_tiles == 48 and e.kw["SPLIT"] == 8
 
 
-def _batch_rows(rng, n, num_slots, target_slots):
-    """n decode requests: slots of the rows under test (target_slots) at random places among random others."""
-    slots = [int(s) for s in rng.integers(-1, num_slots, n)]
-    where = rng.choice(n, len(target_slots), replace=False)
-    for w, s in zip(where, target_slots):
-        slots[w] = s
-    return slots, where
-
-
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_batch_invariance_interpreter(dtype):
     """The same rows inside batches of other sizes, orders, sorted or not, eager or graph-mode infos: outputs
@@ -273,7 +264,7 @@ def _check_invariance(rng, dtype, device, in_dim, widths, max_rank, sizes, num_s
     for k, n in enumerate(sizes):
         for sort in (False, True):
             graph = k in cuda_graph_sizes
-            slots, where = _batch_rows(rng, max(n, 3), num_slots, target_slots)
+            slots, where = batch_rows(rng, max(n, 3), num_slots, target_slots)
             T = len(slots)
             x = torch.randn(T, in_dim, device=device).to(dtype)
             out = torch.randn(T, offs[-1], device=device).to(dtype)
