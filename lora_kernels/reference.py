@@ -67,3 +67,11 @@ def sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, per
             acc[:, lo:hi] += scale_list[slot] * (vi @ bi.T)
         out[rows] = acc.to(out.dtype)
     return out
+
+
+def apply_lora(x, lora_a, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets, out):
+    """out += scaling * expand(shrink(x)) through a zeroed fp32 v [T, S*R]: the one place the shrink-then-expand
+    composition is written (the torch backend and the extension's CPU kernels call it); returns out."""
+    v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    sgmv_shrink(x, lora_a, seg_indptr, weight_indices, lora_ranks, permutation, len(slice_offsets) - 1, v)
+    return sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, scalings, permutation, slice_offsets, out)

@@ -39,6 +39,4 @@ def register() -> None:
     @torch.library.impl("lora_kernels::sgmv_apply", "CPU")
     def _apply_cpu(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
         indptr, slots, rows = work_rows(work, max_tiles, permutation, lora_ranks.shape[0])
-        v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32)
-        reference.sgmv_shrink(x, lora_a, indptr, slots, lora_ranks, rows, len(slice_offsets) - 1, v)
-        reference.sgmv_expand(v, lora_b, indptr, slots, lora_ranks, scalings, rows, slice_offsets, out)
+        reference.apply_lora(x, lora_a, lora_b, indptr, slots, lora_ranks, scalings, rows, slice_offsets, out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from lora_kernels import reference
-from lora_kernels.backends.base import segment_args, shrink_then_expand
 
 
 class TorchBackend:
@@ -13,15 +12,16 @@ class TorchBackend:
         return None
 
     def sgmv_shrink(self, x, lora_a, info, num_slices, out):
-        reference.sgmv_shrink(x, lora_a, *segment_args(info), num_slices, out)
+        reference.sgmv_shrink(x, lora_a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.permutation,
+                              num_slices, out)
 
     def sgmv_expand(self, v, lora_b, info, slice_offsets, out):
-        seg_indptr, weight_indices, lora_ranks, perm = segment_args(info)
-        reference.sgmv_expand(v, lora_b, seg_indptr, weight_indices, lora_ranks, info.scalings, perm, slice_offsets,
-                              out)
+        reference.sgmv_expand(v, lora_b, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                              info.permutation, slice_offsets, out)
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
-        shrink_then_expand(self.sgmv_shrink, self.sgmv_expand, x, base_out, lora_a, lora_b, info, slice_offsets)
+        reference.apply_lora(x, lora_a, lora_b, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                             info.permutation, slice_offsets, base_out)
 
 
 BACKEND = TorchBackend()
