@@ -272,15 +272,15 @@ class BatchInfoBuilder:
         """build() through the extension's fill_batch_record (same record, same checks, a few µs)."""
         graph = self.cuda_graph
         S = self.max_segments
-        perm = (st.array[self._record_len - self.max_tokens:] if graph else self._perm_scratch) if sort else st.array
+        perm = self._perm_target(st) if sort else st.array  # unused when not sorting
         res = _fill_record(seg_token_counts, slots, st.array, perm, self.num_slots, self.max_tokens, sort,
                            S if graph else 0, self._mt if graph else 0, self._dec_rows, TILE_M)
         if res[0] == 0:  # graph-mode pure decode: count + slots only
             self._copy(st, S + 1, self._g.dec_work[:S + 1])
             return self._decode_info(n)
         _, k, max_len, total, _, m, cap = res
-        if sort and graph:
-            self._perm_buffer(st, total)  # restores the identity past this batch's rows
+        if sort:
+            self._restore_identity(st, total)
         return self._finish(st, k, max_len, total, m, cap, perm if sort else None)
 
     def _decode_info(self, n: int) -> LoRABatchInfo:
@@ -331,22 +331,24 @@ class BatchInfoBuilder:
         total = int(np.add.reduce(c, dtype=np.int64)) if n else 0
         if total > self.max_tokens:
             raise ValueError(f"{total} tokens exceed max_tokens={self.max_tokens}")
-        p = self._perm_buffer(st, total)
+        p = self._perm_target(st)
+        self._restore_identity(st, total)
         if not n:
             return self._emit(st, w[:0], c[:0], 0, 0, False, p)
         seg_slots, lens, max_len, min_len = self._np.group(w, c, total, p)
         return self._emit(st, seg_slots, lens, seg_slots.size, max_len, max_len <= TILE_M and min_len >= 1, p)
 
-    def _perm_buffer(self, st: _Staging, total: int) -> np.ndarray:
-        """Where the permutation is written: the graph record's tail (restoring the identity the previous batch
-        of this staging buffer overwrote), or a scratch array that _emit places after the eager record."""
-        if not self.cuda_graph:
-            return self._perm_scratch
-        p = st.array[self._record_len - self.max_tokens:]
-        if st.perm_dirty > total:
-            p[total:st.perm_dirty] = self._iota[total:st.perm_dirty]
-        st.perm_dirty = total
-        return p
+    def _perm_target(self, st: _Staging) -> np.ndarray:
+        """Where the permutation goes: the graph record's tail, or scratch that _finish copies after the record."""
+        return st.array[self._record_len - self.max_tokens:] if self.cuda_graph else self._perm_scratch
+
+    def _restore_identity(self, st: _Staging, total: int) -> None:
+        """Graph mode: rows past `total` map to themselves again where this buffer's last batch permuted them."""
+        if self.cuda_graph:
+            p = self._perm_target(st)
+            if st.perm_dirty > total:
+                p[total:st.perm_dirty] = self._iota[total:st.perm_dirty]
+            st.perm_dirty = total
 
     def _copy(self, st: _Staging, length: int, dst: torch.Tensor | None) -> torch.Tensor:
         """Copies record[:length] to dst (a fresh device tensor when None), marks the staging buffer busy
