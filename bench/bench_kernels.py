@@ -338,11 +338,49 @@ def run_tune(args):
     best = min(zip(rows, results), key=lambda r: r[0]["score"])[1][0]
     print(f"# best: {json.dumps(best)}")
     common.write_jsonl(args.json, [{"bench": "sgmv_tune", **r} for r in rows])
+    plan.TABLE = best
+    plan.clear_cache()
+    auto = tune_auto(args)
     if args.write_tables:
-        from lora_kernels.backends import tables, tables_io
+        from lora_kernels.backends import tables_io
 
-        tables_io.write(best, dict(tables.AUTO), common.device_name(), common.meta()["date"])
+        tables_io.write(best, auto, common.device_name(), common.meta()["date"])
         print(f"# wrote {tables_io.PATH}")
+
+
+AUTO_CASES = [Case(16, "decode", 1, "distinct", 1), Case(16, "decode", 16, "uniform", 32),
+              Case(16, "decode", 64, "uniform", 32), Case(64, "decode", 256, "uniform", 32),
+              Case(16, "decode", 64, "identical", 32), Case(64, "decode", 256, "identical", 32),
+              Case(16, "prefill", 8, "distinct", 8), Case(64, "prefill", 8, "distinct", 8)]
+
+
+def tune_auto(args) -> dict:
+    """The `auto` table: each case's infos are classified by auto.regime; per regime, the backend with the
+    lowest geometric-mean layer time over its infos wins (Triton where the extension is missing)."""
+    from lora_kernels.backends import auto, tables
+
+    names = ["triton"] + (["cuda"] if lk.HAS_CUDA_EXT else [])
+    logs = {r: {b: [] for b in names} for r in tables.AUTO}
+    rows = []
+    for case in AUTO_CASES:
+        mods, infos = build_case(case)
+        for order, info in infos.items():
+            reg = auto.regime(info)
+            for b in names:
+                t = sum(common.GraphTimer(m.fns(f"{b} {order}"), inner=len(m.sets)).time_us(reps=20)
+                        for m in mods.values())
+                logs[reg][b].append(math.log(t))
+                rows.append({"case": case.name, "order": order, "regime": reg, "backend": b, "layer_us": t})
+        del mods
+        torch.cuda.empty_cache()
+    common.print_table(rows, ["case", "order", "regime", "backend", "layer_us"])
+    table = {}
+    for reg, per in logs.items():
+        scored = {b: sum(v) / len(v) for b, v in per.items() if v}
+        table[reg] = min(scored, key=scored.get) if scored else "triton"
+    print(f"# auto: {json.dumps(table)}")
+    common.write_jsonl(args.json, [{"bench": "sgmv_auto", **r} for r in rows])
+    return table
 
 
 def main():
