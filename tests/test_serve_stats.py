@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from lora_kernels.serve_sim import run as sr
 from lora_kernels.serve_sim.scheduler import POLICIES, SchedulerConfig
@@ -143,6 +144,8 @@ def test_make_stager_reads_back_the_workers_it_runs(monkeypatch):
     assert engine_mod.make_stager(object(), 5)[1] == 5
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs CPU tensors only in its interpreter, which conftest "
+                    "turns on where there is no GPU; test_serve_gpu.py checks the backends on the GPU")
 def test_cli_reports_every_checked_backend(tmp_path):
     """--check-backends torch,triton (Triton in its interpreter here): both compared across policies; torch identical,
     and the Triton figure reported (max difference) whatever it is."""
