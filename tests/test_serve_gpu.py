@@ -11,7 +11,11 @@ from lora_kernels.serve_sim.scheduler import POLICIES
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+# The torch backend is checked in every run below (rep.check["torch"], identical across policies) and runs the
+# whole grid in CI on the CPU; as the grid's timed backend on the GPU it is host-bound (a Python loop per segment)
+# and took over 5 minutes on the H200, so the grid times the GPU backends only (the cuda backend's
+# outputs are in every run's check as well).
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_serve_sim_grid_on_gpu(tmp_path, backend):
     cfg = sr.SimConfig(model="tiny", layers=2, adapters=6, slots=3, ranks="8,16", requests=16, seeds=2, loads="0.8",
                        dist="zipf:1.5,distinct", input_len="8:64", output_len="2:8", chunk=32, max_running=8,
