@@ -12,10 +12,10 @@ from lora_kernels.serve_sim.scheduler import POLICIES
 
 @pytest.mark.gpu
 # The torch backend is checked in every run below (rep.check["torch"], identical across policies) and runs the
-# whole grid in CI on the CPU. As the grid's timed backend on the GPU it cannot be timed: reference.py reads the
-# segment bounds to the host (a sync) inside the forward, so every step waits out the timing gate's sleep kernel,
-# is found unfed and re-timed behind longer gates (gate.py); it had not finished after 140 s on the H200, where
-# [auto] and [triton] take 7 s and 2 s. The cuda backend's outputs are in every run's check as well.
+# whole grid in CI on the CPU. As the grid's timed backend on the GPU it is slow: reference.py reads the segment
+# bounds to the host (a sync) inside the forward, so steps wait out the timing gate's sleep kernel and are
+# re-timed behind longer gates (gate.py). It had not finished after 140 s on the H200, where [auto] and
+# [triton] take 7 s and 2 s. The cuda backend's outputs are in every run's check as well.
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_serve_sim_grid_on_gpu(tmp_path, backend):
     cfg = sr.SimConfig(model="tiny", layers=2, adapters=6, slots=3, ranks="8,16", requests=16, seeds=2, loads="0.8",
