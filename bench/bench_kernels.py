@@ -128,6 +128,9 @@ class Module:
             return [lambda s=s: f(*s[:4]) for s in self.sets]
         backend, order = variant.split()
         info = self.infos[order]
+        if backend == "triton-fused":  # Triton with the one-launch decode path on, whatever the table says
+            return [lambda s=s: fused_on(lambda: lk.apply_lora(s[0], s[1], s[2], s[3], info, self.offsets,
+                                                              backend="triton")) for s in self.sets]
         return [lambda s=s: lk.apply_lora(s[0], s[1], s[2], s[3], info, self.offsets, backend=backend)
                 for s in self.sets]
 
@@ -146,6 +149,18 @@ class Module:
         delta = torch.cat([torch.bmm(bg[:, offs[i]:offs[i + 1]], v[:, i * R:(i + 1) * R])
                            for i in range(self.num_slices)], dim=1).squeeze(2)
         out[:T].add_((delta.float() * self.row_scale[:, None]).to(out.dtype))
+
+
+def fused_on(fn):
+    """fn() with the Triton table's one-launch path on for every batch size (the choice is made per call, so a
+    graph captured through this keeps it)."""
+    plan = plan_module()
+    table = plan.TABLE
+    plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 1 << 30}}
+    try:
+        return fn()
+    finally:
+        plan.TABLE = table
 
 
 def build_case(case: Case, seed: int = 0, orders=("unsorted", "sorted")):
@@ -195,7 +210,10 @@ def run_bench(args):
         backends.remove("cuda")
     reps = 10 if args.quick else 30
     rows, jrows, host_rows, inv_rows = [], [], [], []
+    only = [c.strip() for c in args.cases.split(",") if c.strip()]
     for case in all_cases(args.quick):
+        if only and not any(c in case.name for c in only):
+            continue
         mods, infos = build_case(case)
         names = variants(case, mods, backends)
         for mod in mods.values():
@@ -216,7 +234,7 @@ def run_bench(args):
         if case.kind == "decode" and case.batch == 1 and case.pop == "distinct":
             host_rows += host_overhead(case, mods, [b for b in backends if b in ("triton", "cuda")])
         if "sorted" in infos:
-            inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", "cuda")])
+            inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", "cuda", "triton-fused")])
         del mods
         torch.cuda.empty_cache()
     print()
@@ -245,7 +263,7 @@ def check_variants(mod: Module, names) -> None:
             f(x, o, a, b)
         else:
             backend, order = v.split()
-            lk.apply_lora(x, o, a, b, mod.infos[order], mod.offsets, backend=backend)
+            apply(backend, x, o, a, b, mod.infos[order], mod.offsets)
         deltas[v] = o.float() - out.float()
     ref = deltas.get("loop", next(iter(deltas.values())))
     for v, d in deltas.items():
@@ -267,11 +285,24 @@ def invariance(case, mods, backends) -> list[dict]:
             res = {}
             for order, info in mod.infos.items():
                 o = base.clone()
-                lk.apply_lora(x, o, a, bw, info, mod.offsets, backend=b)
+                apply(b, x, o, a, bw, info, mod.offsets)
                 res[order] = o
-            out.append({"case": case.name, "backend": b, "module": m,
-                        "bit_equal": bool(torch.equal(res["sorted"], res["unsorted"]))})
+            row = {"case": case.name, "backend": b, "module": m,
+                   "bit_equal": bool(torch.equal(res["sorted"], res["unsorted"]))}
+            if b == "triton-fused":  # and the same bits as the two launches
+                o = base.clone()
+                apply("triton", x, o, a, bw, mod.infos["sorted"], mod.offsets)
+                row["bit_equal"] = row["bit_equal"] and bool(torch.equal(o, res["sorted"]))
+            out.append(row)
     return out
+
+
+def apply(backend: str, x, out, a, b, info, offsets) -> None:
+    """apply_lora through `backend`, where "triton-fused" is Triton with the one-launch path on."""
+    if backend == "triton-fused":
+        fused_on(lambda: lk.apply_lora(x, out, a, b, info, offsets, backend="triton"))
+    else:
+        lk.apply_lora(x, out, a, b, info, offsets, backend=backend)
 
 
 def host_overhead(case, mods, backends):
@@ -292,8 +323,10 @@ def host_overhead(case, mods, backends):
 
 def tune_candidates() -> list[dict]:
     """Variations of the current table, one knob at a time (the first is the table itself)."""
-    base = {k: dict(v) for k, v in plan_module().TABLE.items()}
-    knobs = [("shrink", "ctas_per_sm", 2), ("shrink", "ctas_per_sm", 8), ("shrink", "k_chunk_min", 256),
+    plan = plan_module()
+    base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, **plan.TABLE}.items()}
+    knobs = [("fused", "max_rows", 64), ("fused", "max_rows", 256), ("fused", "max_rows", 1024),
+             ("shrink", "ctas_per_sm", 2), ("shrink", "ctas_per_sm", 8), ("shrink", "k_chunk_min", 256),
              ("shrink", "k_chunk_min", 1024), ("shrink", "num_stages", 4), ("shrink", "block_k", 64),
              ("expand", "ctas_per_sm", 4), ("expand", "ctas_per_sm", 16), ("expand", "block_n", 64),
              ("expand", "block_n", 256), ("expand", "num_stages", 3), ("expand", "num_warps", 8), ("reduce", "min_rows", 256)]
@@ -385,7 +418,9 @@ def tune_auto(args) -> dict:
 
 def main():
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--backends", default="triton,cuda,loop,bmm", help="comma list of triton,cuda,loop,bmm")
+    p.add_argument("--backends", default="triton,cuda,loop,bmm",
+                   help="comma list of triton,cuda,loop,bmm; triton-fused: Triton with the one-launch decode path on")
+    p.add_argument("--cases", default="", help="comma list of substrings of case names to run (default: all)")
     p.add_argument("--tune", action="store_true", help="sweep the Triton block table instead of benchmarking")
     p.add_argument("--write-tables", action="store_true", help="with --tune: write lora_kernels/backends/tables.py")
     args = p.parse_args()

@@ -174,6 +174,8 @@ class _GraphBuffers:
         indptr = np.minimum(np.arange(S + 1), covered).astype(np.int32)
         dec = np.concatenate([[0], np.full(S, -1), indptr[:S], indptr[1:]]).astype(np.int32)
         self.dec_work = torch.from_numpy(dec).to(b.device)
+        self.dec_head = self.dec_work[:S + 1]  # what a decode build copies: the count and the slots
+        self.dec_wi = self.dec_work[1:1 + S]  # views made once: slicing per build costs µs on the hot path
         self.dec_lens = torch.from_numpy(lens).to(b.device)
         self.dec_indptr = torch.from_numpy(indptr).to(b.device)
         self.dec_rows = covered
@@ -263,7 +265,7 @@ class BatchInfoBuilder:
         if self.cuda_graph and ones and n <= self._dec_rows:  # precomputed segments: copy count + slots only
             rec[0] = n
             rec[1 + n:1 + S] = -1
-            self._copy(st, S + 1, self._g.dec_work[:S + 1])
+            self._copy(st, S + 1, self._g.dec_head)
             return self._decode_info(n)
         one_each = n > 0 and cmin >= 1 and cmax <= TILE_M
         return self._emit(st, w, c, n, cmax, one_each, None)
@@ -276,7 +278,7 @@ class BatchInfoBuilder:
         res = _fill_record(seg_token_counts, slots, st.array, perm, self.num_slots, self.max_tokens, sort,
                            S if graph else 0, self._mt if graph else 0, self._dec_rows, TILE_M)
         if res[0] == 0:  # graph-mode pure decode: count + slots only
-            self._copy(st, S + 1, self._g.dec_work[:S + 1])
+            self._copy(st, S + 1, self._g.dec_head)
             return self._decode_info(n)
         _, k, max_len, total, _, m, cap = res
         if sort:
@@ -285,7 +287,7 @@ class BatchInfoBuilder:
 
     def _decode_info(self, n: int) -> LoRABatchInfo:
         g, S = self._g, self.max_segments
-        return self._info(g.dec_work[1:1 + S], g.dec_lens, g.dec_indptr, None, n, 1, self._dec_rows, g.dec_work, S)
+        return self._info(g.dec_wi, g.dec_lens, g.dec_indptr, None, n, 1, self._dec_rows, g.dec_work, S)
 
     def _emit(self, st: _Staging, w: np.ndarray, c: np.ndarray, n: int, max_len: int, one_each: bool,
               perm: np.ndarray | None) -> LoRABatchInfo:

@@ -83,7 +83,23 @@ bool check(const Request& r, int64_t num_slots, int64_t max_tokens, int64_t* tot
 
 // Segments of the batch: one per request, or (sort) one per distinct slot in ascending slot order with
 // the requests' rows gathered through perm (physical row of each segmented row).
-void segments(const Request& r, bool sort, std::vector<int32_t>& seg_slot,
+// Requests ordered by slot, stably: a counting sort over the slot range when that range is small against the
+// batch (the usual case: a pool of tens of slots), else std::stable_sort. Either gives the same order.
+void order_by_slot(const Request& r, int64_t num_slots, std::vector<int32_t>& order) {
+  const size_t n = r.slots.size();
+  order.resize(n);
+  if (num_slots > 4 * static_cast<int64_t>(n) + 64) {
+    for (size_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return r.slots[a] < r.slots[b]; });
+    return;
+  }
+  std::vector<int32_t> first(static_cast<size_t>(num_slots) + 2, 0);  // bucket slot + 1 (slot -1 -> 0)
+  for (int64_t s : r.slots) ++first[s + 2];
+  for (size_t b = 1; b < first.size(); ++b) first[b] += first[b - 1];
+  for (size_t i = 0; i < n; ++i) order[first[r.slots[i] + 1]++] = static_cast<int32_t>(i);
+}
+
+void segments(const Request& r, bool sort, int64_t num_slots, std::vector<int32_t>& seg_slot,
               std::vector<int32_t>& seg_len, int32_t* perm) {
   const size_t n = r.slots.size();
   if (!sort) {
@@ -97,9 +113,10 @@ void segments(const Request& r, bool sort, std::vector<int32_t>& seg_slot,
     start[i] = acc;
     acc += r.counts[i];
   }
-  std::vector<int32_t> order(n);  // stable sort of the requests by slot
-  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return r.slots[a] < r.slots[b]; });
+  std::vector<int32_t> order;
+  order_by_slot(r, num_slots, order);
+  seg_slot.reserve(n);
+  seg_len.reserve(n);
   int64_t row = 0;
   for (size_t k = 0; k < n; ++k) {
     const int32_t j = order[k];
@@ -175,7 +192,7 @@ PyObject* fill_batch_record(PyObject*, PyObject* args) {
   }
   if (sort && perm.size() < total) return PyErr_Format(PyExc_ValueError, "fill_batch_record: perm too short");
   std::vector<int32_t> seg_slot, seg_len;
-  segments(r, sort, seg_slot, seg_len, perm.data());
+  segments(r, sort, num_slots, seg_slot, seg_len, perm.data());
   const int64_t k = static_cast<int64_t>(seg_slot.size());
   const int64_t tiles = tile_count(seg_len, tile_m);
   const int64_t m = graph_mt > 0 ? graph_mt : std::max<int64_t>(tiles, 1);

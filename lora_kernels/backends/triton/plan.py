@@ -18,6 +18,8 @@ from lora_kernels.batch_info import TILE_M
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 TABLE = dict(tables.TRITON_BLOCKS)  # may be replaced for experiments, followed by clear_cache()
+# The one-launch decode path (fused.py) until a --tune run measures it into the table: off (max_rows 0).
+FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 _cache: dict = {}
 _sms: dict = {}
 
@@ -134,6 +136,44 @@ def expand_plan(slice_offsets: tuple, max_rank: int, dtype: torch.dtype, has_per
     plan = ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
     _cache[key] = plan
     return plan
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    kw: dict  # the shrink's and the expand's blocks, so that both phases compute what the two launches do
+    items: int  # items per tile, the larger phase: S_TILES * SPLIT or E_TILES
+    runs: dict = field(default_factory=dict)
+
+
+def fused_plan(sp: ShrinkPlan, ep: ExpandPlan) -> FusedPlan:
+    key = ("f", id(sp), id(ep))
+    plan = _cache.get(key)
+    if plan is None:
+        s, e = sp.kw, ep.kw
+        kw = dict(HAS_PERM=s["HAS_PERM"], SPLIT=sp.split, S_TILES=sp.n_tiles, E_TILES=ep.n_tiles, SLICES=e["SLICES"],
+                  BLOCK_M=TILE_M, BLOCK_NS=s["BLOCK_N"], BLOCK_K=s["BLOCK_K"], BLOCK_NE=e["BLOCK_N"],
+                  BLOCK_R=e["BLOCK_R"], DOT_PREC=s["DOT_PREC"], PDL=s["PDL"], num_warps=e["num_warps"],
+                  num_stages=s["num_stages"])
+        if kw["PDL"]:
+            kw["launch_pdl"] = True
+        plan = _cache[key] = FusedPlan(kw, max(sp.n_tiles * sp.split, ep.n_tiles))
+    return plan
+
+
+def fused_rows() -> int:
+    """apply_lora takes the one-launch path up to this many rows of x (0: never). Never when the shrink and
+    the expand use different warp counts: one launch has one, and the fused path must compute the bits of
+    the two launches (the GPU tests check them with the table's warps)."""
+    if TABLE["shrink"]["num_warps"] != TABLE["expand"]["num_warps"]:
+        return 0
+    return TABLE.get("fused", FUSED_DEFAULT)["max_rows"]
+
+
+def fused_grid(max_tiles: int, items: int, device: torch.device) -> tuple:
+    """At most one program per SM (phase 2 waits for phase 1 of other programs: all must become resident);
+    one program under the interpreter, which runs programs one after another."""
+    per_sm = TABLE.get("fused", FUSED_DEFAULT)["ctas_per_sm"]
+    return (1,) if INTERPRET else (max(1, min(max_tiles * items, num_sms(device) * min(per_sm, 1))),)
 
 
 def grid(items_upper: int, ctas_per_sm: int, device: torch.device) -> tuple:

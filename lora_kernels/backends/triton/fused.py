@@ -1,0 +1,130 @@
+"""One launch per module for decode-sized batches: the split-K shrink and the expand in one persistent kernel.
+
+Phase 1 of every program computes its chunk of shrink items (tile, column tile, split) exactly as
+`_shrink_kernel` does with PARTIAL (same blocks, same dot chain) into the fp32 workspace, then counts the
+item on its tile's arrival counter (release). Phase 2 computes its chunk of expand items (tile, column tile)
+exactly as `_expand_kernel` does with SPLIT partials, after waiting (acquire) until the tile's counter
+holds all S_TILES * SPLIT items. So a row's bits equal those of the two-launch path, and the choice between
+the paths (by the number of rows) keeps batch invariance.
+
+Waiting is safe because every program finishes its phase-1 items before it waits, and the grid is at most
+one program per SM, so that all programs become resident once earlier kernels have left the SMs.
+
+The counters ([arrivals MT | consumed MT], int32) return to zero inside the kernel: each program adds the
+column tiles it consumed to the tile's second counter, and the one that completes it zeroes both. With
+PDL, the next kernel touches them only after `gdc_wait`, i.e. after this grid has completed.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra import cuda as _gdc
+
+from lora_kernels.backends.triton.kernels import _chunk, _pick, _rank, _rows, _tile
+
+
+@triton.jit
+def _shrink_item(x_ptr, a_ptr, ws_ptr, rows, row_mask, slot64, rank, ks, ct, K, R, NR, num_rows, k_chunk,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    """One shrink item (as _shrink_kernel, PARTIAL): ws[ks, row, c] for the live columns of column tile ct."""
+    cols = ct * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = (cols < NR) & ((cols % R) < rank)
+    k_begin = ks * k_chunk
+    k_end = tl.minimum(k_begin + k_chunk, K)
+    a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
+    x_rows = x_ptr + rows[:, None] * K
+    kk = k_begin + tl.arange(0, BLOCK_K)
+    k_mask = kk < k_end
+    at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)  # before the wait
+    if PDL:
+        _gdc.gdc_wait()
+    xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    acc = tl.dot(xt, tl.trans(at), input_precision=DOT_PREC)
+    for k in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        kk = k + tl.arange(0, BLOCK_K)
+        k_mask = kk < k_end
+        at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
+        xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
+    tl.store(ws_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :], acc,
+             mask=row_mask[:, None] & live[None, :])
+
+
+@triton.jit
+def _sum_splits_cg(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride, SPLIT: tl.constexpr):
+    """kernels._sum_splits (the same additions in split order), reading past L1: other SMs wrote ws."""
+    ptrs = ws_ptr + rows[:, None] * row_stride + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _expand_tile(ws_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT, num_rows,
+                 off1, off2, off3, t1, t2, t3, SPLIT: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Column tiles [c0, c1) of one tile (as _expand_kernel): out[row, n] += scale * v[row, i*R + j] B[n, j]."""
+    j = tl.arange(0, BLOCK_R)
+    j_mask = j < rank
+    b_slot = b_ptr + slot64 * OUT * R
+    for i in tl.static_range(SLICES):
+        ts = _pick(i, 0, t1, t2, t3)
+        te = _pick(i, t1, t2, t3, N_TILES)
+        lo = _pick(i, 0, off1, off2, off3)
+        hi = _pick(i, off1, off2, off3, OUT)
+        a = tl.maximum(c0, ts)
+        b = tl.minimum(c1, te)
+        if a < b:
+            vt = _sum_splits_cg(ws_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
+            vt = vt.to(b_ptr.dtype.element_ty)
+            for ct in range(a, b):
+                n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = n < hi
+                bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+                out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
+                mask = row_mask[:, None] & n_mask[None, :]
+                base = tl.load(out_ptrs, mask=mask, other=0.0)
+                acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
+                tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["MT", "num_rows"])
+def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ranks, scalings, perm_ptr,
+                  MT, K, R, NR, OUT, num_rows, k_chunk, off1, off2, off3, t1, t2, t3,
+                  HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, S_TILES: tl.constexpr, E_TILES: tl.constexpr,
+                  SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_NE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        _gdc.gdc_launch_dependents()
+    tiles = tl.load(work)
+    start, stop = _chunk(tiles * (S_TILES * SPLIT))
+    for w in range(start, stop):  # phase 1: shrink items, numbered as in _shrink_kernel
+        t = w // (S_TILES * SPLIT)
+        slot, row0, end = _tile(work, t, MT)
+        rank, slot64 = _rank(slot, lora_ranks)
+        if rank > 0:
+            rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
+            _shrink_item(x_ptr, a_ptr, ws_ptr, rows, row_mask, slot64, rank, w % SPLIT, (w // SPLIT) % S_TILES,
+                         K, R, NR, num_rows, k_chunk, BLOCK_NS, BLOCK_K, DOT_PREC, PDL)
+            tl.atomic_add(sync_ptr + t, 1, sem="release")
+    if PDL:
+        _gdc.gdc_wait()  # base_out is the previous kernel's output
+    start, stop = _chunk(tiles * E_TILES)
+    t = start // E_TILES
+    while t * E_TILES < stop:  # phase 2: expand items
+        slot, row0, end = _tile(work, t, MT)
+        rank, slot64 = _rank(slot, lora_ranks)
+        if rank > 0:
+            c0 = tl.maximum(start - t * E_TILES, 0)
+            c1 = tl.minimum(stop - t * E_TILES, E_TILES)
+            rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
+            scale = tl.load(scalings + slot64)
+            while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < S_TILES * SPLIT:
+                pass
+            _expand_tile(ws_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT, num_rows,
+                         off1, off2, off3, t1, t2, t3, SPLIT, E_TILES, SLICES, BLOCK_NE, BLOCK_R, DOT_PREC)
+            if tl.atomic_add(sync_ptr + MT + t, c1 - c0, sem="acq_rel") + (c1 - c0) == E_TILES:
+                tl.atomic_xchg(sync_ptr + t, 0)  # the tile's last consumer: ready for the next launch
+                tl.atomic_xchg(sync_ptr + MT + t, 0)
+        t += 1
