@@ -80,3 +80,18 @@ def test_v_wrong_dtype(case):
     v = torch.zeros(case.x.shape[0], case.lora_a.shape[1], dtype=torch.float64)
     with pytest.raises(ValueError, match=r"v must have dtype .*got torch.float64"):
         lk.sgmv_expand(v, case.lora_b, case.info, case.slice_offsets, case.base)
+
+
+def test_apply_lora_checks_every_new_signature(case):
+    """apply_lora remembers argument signatures it has validated (shape, strides, dtype, device of each tensor,
+    slice offsets); a call that differs in any of them is checked in full."""
+    lk.apply_lora(case.x, case.base.clone(), case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="torch")
+    with pytest.raises(ValueError, match=r"lora_b must have dtype .*float16.*got torch.float32"):
+        lk.apply_lora(case.x, case.base.clone(), case.lora_a, case.lora_b.float(), case.info, case.slice_offsets)
+    x = torch.randn(case.x.shape[1], case.x.shape[0], dtype=case.x.dtype).T  # same shape, other strides
+    with pytest.raises(ValueError, match=r"x must be contiguous"):
+        lk.apply_lora(x, case.base.clone(), case.lora_a, case.lora_b, case.info, case.slice_offsets)
+    with pytest.raises(ValueError, match=r"slice_offsets must rise from 0 to out_total=24"):
+        lk.apply_lora(case.x, case.base.clone(), case.lora_a, case.lora_b, case.info, (0, 25, 24))
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor"):
+        lk.apply_lora(case.x.numpy(), case.base.clone(), case.lora_a, case.lora_b, case.info, case.slice_offsets)

@@ -14,6 +14,8 @@ shapes only (plan.py), launches from cached compiled kernels (launch.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lora_kernels.backends.triton import plan as _plan
@@ -34,30 +36,54 @@ def _work(info):
     return info.work, info.work if info.permutation is None else info.permutation
 
 
-def _shrink(p, x, lora_a, info, num_slices, out, partial):
-    work, perm = _work(info)
-    R = lora_a.shape[1] // num_slices
-    tensors = (x, lora_a, out, work, info.lora_ranks, perm)
-    scalars = (info.max_tiles, x.shape[1], R, lora_a.shape[1], x.shape[0], p.k_chunk)
-    g = _plan.grid(info.max_tiles * p.n_tiles * p.split, p.ctas, x.device)
-    launch(_shrink_kernel, p.runs, (partial, out.dtype), g, tensors, scalars, {**p.kw, "PARTIAL": partial})
+@dataclass(frozen=True)
+class _Step:
+    """One launch with everything but its tensors fixed: kernel, compiled-launcher cache, grid, scalars."""
+    kernel: object
+    runs: dict
+    tag: object
+    grid: tuple
+    scalars: tuple
+    kw: dict
+
+    def __call__(self, *tensors) -> None:
+        launch(self.kernel, self.runs, self.tag, self.grid, tensors, self.scalars, self.kw)
 
 
-def _reduce(p, ws, out, info, R, NR):
-    work, perm = _work(info)
-    g = _plan.grid(info.max_tiles * p.reduce_tiles, p.ctas, out.device)
-    launch(_reduce_kernel, p.runs, ("reduce", out.dtype), g, (ws, out, work, info.lora_ranks, perm),
-           (info.max_tiles, R, NR, out.shape[0]), p.reduce_kw)
+def _shrink_step(p, x_shape, NR, R, max_tiles, partial, out_dtype, device) -> _Step:
+    scalars = (max_tiles, x_shape[1], R, NR, x_shape[0], p.k_chunk)
+    g = _plan.grid(max_tiles * p.n_tiles * p.split, p.ctas, device)
+    return _Step(_shrink_kernel, p.runs, (partial, out_dtype), g, scalars, {**p.kw, "PARTIAL": partial})
 
 
-def _expand(v, lora_b, info, slice_offsets, out, n_split):
-    work, perm = _work(info)
-    R = lora_b.shape[2]
-    p = _plan.expand_plan(slice_offsets, R, out.dtype, info.permutation is not None, n_split, out.device)
-    tensors = (v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
-    scalars = (info.max_tiles, R, R * (len(slice_offsets) - 1), slice_offsets[-1], out.shape[0], *p.scalars)
-    g = _plan.grid(info.max_tiles * p.n_tiles, p.ctas, out.device)
-    launch(_expand_kernel, p.runs, v.dtype, g, tensors, scalars, p.kw)
+def _reduce_step(p, rows, R, NR, max_tiles, out_dtype, device) -> _Step:
+    g = _plan.grid(max_tiles * p.reduce_tiles, p.ctas, device)
+    return _Step(_reduce_kernel, p.runs, ("reduce", out_dtype), g, (max_tiles, R, NR, rows), p.reduce_kw)
+
+
+def _expand_step(rows, R, slice_offsets, v_dtype, out_dtype, has_perm, n_split, max_tiles, device) -> _Step:
+    p = _plan.expand_plan(slice_offsets, R, out_dtype, has_perm, n_split, device)
+    scalars = (max_tiles, R, R * (len(slice_offsets) - 1), slice_offsets[-1], rows, *p.scalars)
+    g = _plan.grid(max_tiles * p.n_tiles, p.ctas, device)
+    return _Step(_expand_kernel, p.runs, v_dtype, g, scalars, p.kw)
+
+
+def _fused_step(sp, x_shape, NR, R, slice_offsets, dtype, has_perm, max_tiles, device) -> _Step:
+    ep = _plan.expand_plan(slice_offsets, R, dtype, has_perm, sp.split, device)
+    fp = _plan.fused_plan(sp, ep)
+    scalars = (max_tiles, x_shape[1], R, NR, slice_offsets[-1], x_shape[0], sp.k_chunk, *ep.scalars)
+    return _Step(_fused_kernel, fp.runs, ("fused", dtype), _plan.fused_grid(max_tiles, fp.items, device), scalars,
+                 fp.kw)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """An op's launches for one argument signature, and the fp32 workspaces they need (split-K partials ws,
+    reduced v). Cached in plan's cache (cleared with it): a call then costs its allocations and launches."""
+    mode: str  # shrink: direct | reduce; expand: direct; apply: fused | two | reduce
+    steps: tuple
+    ws: tuple | None
+    v: tuple | None
 
 
 def _sync_counters(max_tiles: int, device: torch.device) -> torch.Tensor:
@@ -72,22 +98,32 @@ def _sync_counters(max_tiles: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _fused(sp, x, base_out, lora_a, lora_b, info, slice_offsets, ws):
-    """apply_lora in one launch (fused.py): the shrink's and the expand's items in two phases."""
-    work, perm = _work(info)
-    R = lora_b.shape[2]
-    ep = _plan.expand_plan(slice_offsets, R, base_out.dtype, info.permutation is not None, sp.split, x.device)
-    fp = _plan.fused_plan(sp, ep)
-    sync = _sync_counters(info.max_tiles, x.device)
-    tensors = (x, lora_a, lora_b, base_out, ws, sync, work, info.lora_ranks, info.scalings, perm)
-    scalars = (info.max_tiles, x.shape[1], R, lora_a.shape[1], slice_offsets[-1], x.shape[0], sp.k_chunk, *ep.scalars)
-    launch(_fused_kernel, fp.runs, ("fused", x.dtype), _plan.fused_grid(info.max_tiles, fp.items, x.device), tensors,
-           scalars, fp.kw)
+def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, fused: bool) -> _Recipe:
+    S, R, NR, rows, dev = len(slice_offsets) - 1, lora_b.shape[2], lora_a.shape[1], x.shape[0], x.device
+    has_perm, mt = info.permutation is not None, info.max_tiles
+    sp = _plan.shrink_plan(x.shape[1], S, NR // S, x.dtype, has_perm, dev)
+    ws = (sp.split, rows, NR)
+    if fused:
+        return _Recipe("fused", (_fused_step(sp, x.shape, NR, R, slice_offsets, x.dtype, has_perm, mt, dev),), ws, None)
+    shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
+    if sp.split > 1 and _plan.reduce_first(rows):
+        return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev),
+                                  _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm, 1, mt, dev)),
+                       ws, (rows, NR))
+    return _Recipe("two", (shrink, _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm, sp.split,
+                                                mt, dev)), ws, None)
 
 
-def _shrink_plan(x, lora_a, info, num_slices):
-    return _plan.shrink_plan(x.shape[1], num_slices, lora_a.shape[1] // num_slices, x.dtype,
-                             info.permutation is not None, x.device)
+def _cached(key, make) -> _Recipe:
+    r = _plan._cache.get(key)
+    if r is None:
+        if len(_plan._cache) >= _RECIPES_MAX:  # eager prefill sees many row counts: bounded, rebuilt on demand
+            _plan.clear_cache()
+        r = _plan._cache[key] = make()
+    return r
+
+
+_RECIPES_MAX = 4096
 
 
 class TritonBackend:
@@ -99,31 +135,54 @@ class TritonBackend:
         return None
 
     def sgmv_shrink(self, x, lora_a, info, num_slices, out):
-        p = _shrink_plan(x, lora_a, info, num_slices)
-        if p.split == 1:
-            _shrink(p, x, lora_a, info, num_slices, out, partial=False)
+        work, perm = _work(info)
+        key = ("shrink", x.shape, x.dtype, lora_a.shape, num_slices, out.dtype, x.device, info.max_tiles, perm is not work)
+        r = _cached(key, lambda: _shrink_recipe(x, lora_a, info, num_slices, out.dtype))
+        if r.mode == "direct":
+            r.steps[0](x, lora_a, out, work, info.lora_ranks, perm)
             return
-        ws = torch.empty((p.split, x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-        _shrink(p, x, lora_a, info, num_slices, ws, partial=True)
-        _reduce(p, ws, out, info, lora_a.shape[1] // num_slices, lora_a.shape[1])
+        ws = torch.empty(r.ws, dtype=torch.float32, device=x.device)
+        r.steps[0](x, lora_a, ws, work, info.lora_ranks, perm)
+        r.steps[1](ws, out, work, info.lora_ranks, perm)
 
     def sgmv_expand(self, v, lora_b, info, slice_offsets, out):
-        _expand(v, lora_b, info, slice_offsets, out, 1)
+        work, perm = _work(info)
+        key = ("expand", v.shape, v.dtype, lora_b.shape, slice_offsets, out.dtype, v.device, info.max_tiles,
+               perm is not work)
+        r = _cached(key, lambda: _Recipe("direct", (_expand_step(
+            out.shape[0], lora_b.shape[2], slice_offsets, v.dtype, out.dtype, perm is not work, 1, info.max_tiles,
+            out.device),), None, None))
+        r.steps[0](v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
-        num_slices = len(slice_offsets) - 1
-        p = _shrink_plan(x, lora_a, info, num_slices)
-        ws = torch.empty((p.split, x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-        if x.shape[0] <= _plan.fused_rows():
-            _fused(p, x, base_out, lora_a, lora_b, info, slice_offsets, ws)
+        work, perm = _work(info)
+        fused = x.shape[0] <= _plan.fused_rows()
+        key = ("apply", x.shape, x.dtype, lora_a.shape, lora_b.shape[2], slice_offsets, x.device, info.max_tiles,
+               perm is not work, fused)
+        r = _cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, fused))
+        ranks, ws = info.lora_ranks, torch.empty(r.ws, dtype=torch.float32, device=x.device)
+        if r.mode == "fused":
+            r.steps[0](x, lora_a, lora_b, base_out, ws, _sync_counters(info.max_tiles, x.device), work, ranks,
+                       info.scalings, perm)
             return
-        _shrink(p, x, lora_a, info, num_slices, ws, partial=True)
-        if p.split > 1 and _plan.reduce_first(x.shape[0]):
-            v = torch.empty((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-            _reduce(p, ws, v, info, lora_a.shape[1] // num_slices, lora_a.shape[1])
-            _expand(v, lora_b, info, slice_offsets, base_out, 1)
+        r.steps[0](x, lora_a, ws, work, ranks, perm)
+        if r.mode == "reduce":
+            v = torch.empty(r.v, dtype=torch.float32, device=x.device)
+            r.steps[1](ws, v, work, ranks, perm)
+            r.steps[2](v, lora_b, base_out, work, ranks, info.scalings, perm)
         else:
-            _expand(ws, lora_b, info, slice_offsets, base_out, p.split)
+            r.steps[1](ws, lora_b, base_out, work, ranks, info.scalings, perm)
+
+
+def _shrink_recipe(x, lora_a, info, num_slices, out_dtype) -> _Recipe:
+    NR, dev, mt = lora_a.shape[1], x.device, info.max_tiles
+    p = _plan.shrink_plan(x.shape[1], num_slices, NR // num_slices, x.dtype, info.permutation is not None, dev)
+    if p.split == 1:
+        return _Recipe("direct", (_shrink_step(p, x.shape, NR, NR // num_slices, mt, False, out_dtype, dev),), None,
+                       None)
+    return _Recipe("reduce", (_shrink_step(p, x.shape, NR, NR // num_slices, mt, True, torch.float32, dev),
+                              _reduce_step(p, x.shape[0], NR // num_slices, NR, mt, out_dtype, dev)),
+                   (p.split, x.shape[0], NR), None)
 
 
 BACKEND = TritonBackend()
