@@ -357,10 +357,14 @@ def run_tune(args):
         plan.TABLE = cand
         plan.clear_cache()
         ts = []
-        for (mods, infos), c in zip(built, TUNE_CASES):
-            order = next(iter(infos))
-            ts.append(sum(common.GraphTimer(m.fns(f"triton {order}"), inner=len(m.sets)).time_us(reps=20)
-                          for m in mods.values()))
+        try:
+            for (mods, infos), c in zip(built, TUNE_CASES):
+                order = next(iter(infos))
+                ts.append(sum(common.GraphTimer(m.fns(f"triton {order}"), inner=len(m.sets)).time_us(reps=20)
+                              for m in mods.values()))
+        except Exception as e:  # a candidate that does not compile or launch is reported and left out
+            print(f"# candidate failed ({type(e).__name__}: {str(e)[:200]}): {json.dumps(cand)}")
+            continue
         results.append((cand, ts))
     mins = [min(r[1][i] for r in results) for i in range(len(TUNE_CASES))]
     rows = []

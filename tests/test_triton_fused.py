@@ -81,6 +81,55 @@ def test_fused_grid_checks(monkeypatch):
     plan.clear_cache()
 
 
+_AOT = r'''
+import json
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lora_kernels.backends.triton import fused, plan
+out = []
+for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336)), (1, 64, 14336, (4096,))]:
+    sp = plan.shrink_plan(in_dim, S, R, torch.bfloat16, False, torch.device("cpu"))
+    offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
+    ep = plan.expand_plan(offs, R, torch.bfloat16, False, sp.split, torch.device("cpu"))
+    fp = plan.fused_plan(sp, ep)
+    kw = {**fp.kw, "PDL": True}
+    nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
+    kw.pop("launch_pdl", None)
+    sig = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sync_ptr": "*i32",
+           "work": "*i32", "lora_ranks": "*i32", "scalings": "*fp32", "perm_ptr": "*i32"}
+    sig.update({k: "i32" for k in ("MT", "K", "R", "NR", "OUT", "num_rows", "k_chunk", "off1", "off2", "off3", "t1", "t2", "t3")})
+    sig.update({k: "constexpr" for k in kw})
+    k = triton.compile(ASTSource(fn=fused._fused_kernel, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": nw, "num_stages": ns})
+    ptx = k.asm["ptx"]
+    out.append({"S": S, "R": R, "shared": k.metadata.shared,
+                "mma": "mma.sync" in ptx or "wgmma" in ptx, "acquire": "acquire" in ptx, "release": "release" in ptx,
+                "gdc": "griddepcontrol" in ptx})
+print(json.dumps(out))
+'''
+
+
+def test_fused_kernel_compiles_for_sm90():
+    """The one-launch kernel compiles for an H100/H200 (sm90) on this GPU-less machine (triton.compile to a cubin,
+    ptxas included, without the interpreter) at the Llama-3-8B module shapes, bf16, with PDL: tensor-core dots,
+    the acquire/release counters and griddepcontrol are in the PTX."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for k in json.loads(res.stdout.strip().splitlines()[-1]):
+        assert k["mma"] and k["acquire"] and k["release"] and k["gdc"], k
+        assert 0 < k["shared"] <= 227 * 1024
+
+
 # ---- GPU ----
 
 @pytest.mark.gpu

@@ -7,8 +7,12 @@ exactly as `_expand_kernel` does with SPLIT partials, after waiting (acquire) un
 holds all S_TILES * SPLIT items. So a row's bits equal those of the two-launch path, and the choice between
 the paths (by the number of rows) keeps batch invariance.
 
-Waiting is safe because every program finishes its phase-1 items before it waits, and the grid is at most
-one program per SM, so that all programs become resident once earlier kernels have left the SMs.
+A phase-2 program loads its first B block and base rows of each slice before it waits, so that those reads
+overlap the shrink. Waiting is safe because every program finishes its phase-1 items before it waits, and
+the grid is at most one program per SM, so that all programs become resident once earlier kernels have left
+the SMs (a PDL dependent launches only after all of this grid's programs have started). Two fused launches
+running at once on two streams could each hold SMs the other waits for: the backend keeps separate counters
+per stream, but an engine should not run LoRA applies concurrently on two streams with this path on.
 
 The counters ([arrivals MT | consumed MT], int32) return to zero inside the kernel: each program adds the
 column tiles it consumed to the tile's second counter, and the one that completes it zeroes both. With
@@ -61,10 +65,30 @@ def _sum_splits_cg(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_str
 
 
 @triton.jit
-def _expand_tile(ws_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT, num_rows,
-                 off1, off2, off3, t1, t2, t3, SPLIT: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Column tiles [c0, c1) of one tile (as _expand_kernel): out[row, n] += scale * v[row, i*R + j] B[n, j]."""
+def _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC: tl.constexpr):
+    """One column tile (as _expand_kernel): out[rows, n] = base + scale * vt B[n, :]ᵀ, bt and base loaded."""
+    acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
+    tl.store(out_ptr + rows[:, None] * OUT + n[None, :],
+             (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, PDL: tl.constexpr):
+    """A column tile's B block (no earlier kernel writes it: read before the wait) and its base_out rows."""
+    bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+    if PDL:
+        _gdc.gdc_wait()  # base_out is the previous kernel's output
+    base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+    return bt, base
+
+
+@triton.jit
+def _expand_tile(ws_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT,
+                 num_rows, off1, off2, off3, t1, t2, t3, SPLIT: tl.constexpr, N_TILES: tl.constexpr,
+                 SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Column tiles [c0, c1) of tile t (as _expand_kernel). The first column tile of each slice loads its B block
+    and base rows before the wait for the tile's partials (`need` arrivals), so those loads overlap it."""
     j = tl.arange(0, BLOCK_R)
     j_mask = j < rank
     b_slot = b_ptr + slot64 * OUT * R
@@ -76,17 +100,19 @@ def _expand_tile(ws_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0
         a = tl.maximum(c0, ts)
         b = tl.minimum(c1, te)
         if a < b:
+            n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = n < hi
+            bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, PDL)
+            while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < need:  # returns at once after the first slice
+                pass
             vt = _sum_splits_cg(ws_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
             vt = vt.to(b_ptr.dtype.element_ty)
-            for ct in range(a, b):
+            _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
+            for ct in range(a + 1, b):
                 n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = n < hi
-                bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
-                out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
-                mask = row_mask[:, None] & n_mask[None, :]
-                base = tl.load(out_ptrs, mask=mask, other=0.0)
-                acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
-                tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+                bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, False)
+                _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["MT", "num_rows"])
@@ -108,8 +134,6 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
             _shrink_item(x_ptr, a_ptr, ws_ptr, rows, row_mask, slot64, rank, w % SPLIT, (w // SPLIT) % S_TILES,
                          K, R, NR, num_rows, k_chunk, BLOCK_NS, BLOCK_K, DOT_PREC, PDL)
             tl.atomic_add(sync_ptr + t, 1, sem="release")
-    if PDL:
-        _gdc.gdc_wait()  # base_out is the previous kernel's output
     start, stop = _chunk(tiles * E_TILES)
     t = start // E_TILES
     while t * E_TILES < stop:  # phase 2: expand items
@@ -120,10 +144,9 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
             c1 = tl.minimum(stop - t * E_TILES, E_TILES)
             rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
             scale = tl.load(scalings + slot64)
-            while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < S_TILES * SPLIT:
-                pass
-            _expand_tile(ws_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT, num_rows,
-                         off1, off2, off3, t1, t2, t3, SPLIT, E_TILES, SLICES, BLOCK_NE, BLOCK_R, DOT_PREC)
+            _expand_tile(ws_ptr, sync_ptr, t, S_TILES * SPLIT, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale,
+                         c0, c1, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3, SPLIT, E_TILES, SLICES, BLOCK_NE,
+                         BLOCK_R, DOT_PREC, PDL)
             if tl.atomic_add(sync_ptr + MT + t, c1 - c0, sem="acq_rel") + (c1 - c0) == E_TILES:
                 tl.atomic_xchg(sync_ptr + t, 0)  # the tile's last consumer: ready for the next launch
                 tl.atomic_xchg(sync_ptr + MT + t, 0)
