@@ -325,15 +325,17 @@ def tune_candidates() -> list[dict]:
     """Variations of the current table, one knob at a time (the first is the table itself)."""
     plan = plan_module()
     base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, **plan.TABLE}.items()}
-    knobs = [("fused", "max_rows", 64), ("fused", "max_rows", 256), ("fused", "max_rows", 1024),
-             ("shrink", "ctas_per_sm", 2), ("shrink", "ctas_per_sm", 8), ("shrink", "k_chunk_min", 256),
-             ("shrink", "k_chunk_min", 1024), ("shrink", "num_stages", 4), ("shrink", "block_k", 64),
-             ("expand", "ctas_per_sm", 4), ("expand", "ctas_per_sm", 16), ("expand", "block_n", 64),
-             ("expand", "block_n", 256), ("expand", "num_stages", 3), ("expand", "num_warps", 8), ("reduce", "min_rows", 256)]
+    knobs = [("fused", {"max_rows": 64}), ("fused", {"max_rows": 256}), ("fused", {"max_rows": 1024}),
+             ("shrink", {"ctas_per_sm": 2}), ("shrink", {"ctas_per_sm": 8}), ("shrink", {"k_chunk_min": 256}),
+             ("shrink", {"k_chunk_min": 1024}), ("shrink", {"num_stages": 4}), ("shrink", {"block_k": 64}),
+             ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches
+             ("expand", {"ctas_per_sm": 4}), ("expand", {"ctas_per_sm": 16}), ("expand", {"block_n": 64}),
+             ("expand", {"block_n": 256}), ("expand", {"num_stages": 3}), ("expand", {"num_warps": 8}),
+             ("reduce", {"min_rows": 256})]
     out = [base]
-    for kernel, key, value in knobs:
-        if base[kernel][key] != value:
-            out.append({**base, kernel: {**base[kernel], key: value}})
+    for kernel, change in knobs:
+        if any(base[kernel][k] != v for k, v in change.items()):
+            out.append({**base, kernel: {**base[kernel], **change}})
     return out
 
 
