@@ -165,3 +165,19 @@ def batch_rows(rng, n, num_slots, target_slots):
     for w, s in zip(where, target_slots):
         slots[w] = s
     return slots, where
+
+
+def compile_for_sm90(script: str) -> list:
+    """Runs `script` (which triton.compile's kernels for sm90 and prints a JSON list last) in a subprocess without
+    the interpreter, so that Triton compiles to a cubin (ptxas included) on a GPU-less machine; returns the list."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import lora_kernels as lk
-from cases import TOL, make_case, make_info, rel_err, rowloop_expand, rowloop_shrink
+from cases import TOL, compile_for_sm90, make_case, make_info, rel_err, rowloop_expand, rowloop_shrink
 from lora_kernels import linear
 
 MODES = ["serial", "overlap", "delta", "fused", "auto"]
@@ -387,18 +387,8 @@ def test_fused_gemm_compiles_for_sm90():
     """The fused GEMMs compile for an H100/H200 (sm90) on this GPU-less machine: triton.compile to a cubin
     (ptxas included) in a subprocess without the interpreter; the TMA kernel uses wgmma and TMA and fits
     the 227 KB of shared memory."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    kernels = json.loads(res.stdout.strip().splitlines()[-1])
+    kernels = compile_for_sm90(_AOT)
     for k in kernels:
         assert k["wgmma"] and 0 < k["shared"] <= 227 * 1024
         assert k["tma_ops"] == k["tma"]

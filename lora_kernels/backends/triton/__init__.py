@@ -136,7 +136,8 @@ class TritonBackend:
 
     def sgmv_shrink(self, x, lora_a, info, num_slices, out):
         work, perm = _work(info)
-        key = ("shrink", x.shape, x.dtype, lora_a.shape, num_slices, out.dtype, x.device, info.max_tiles, perm is not work)
+        key = ("shrink", x.shape, x.dtype, lora_a.shape, num_slices, out.dtype, x.device, info.max_tiles,
+               perm is not work)
         r = _cached(key, lambda: _shrink_recipe(x, lora_a, info, num_slices, out.dtype))
         if r.mode == "direct":
             r.steps[0](x, lora_a, out, work, info.lora_ranks, perm)

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _gdc
 
-from lora_kernels.backends.triton.kernels import _chunk, _pick, _rank, _rows, _tile
+from lora_kernels.backends.triton.kernels import (_chunk, _expand_col, _expand_head, _load_col, _rank, _rows,
+                                                  _shrink_dot, _slice_span, _sum_splits, _tile)
 
 
 @triton.jit
@@ -33,53 +34,10 @@ def _shrink_item(x_ptr, a_ptr, ws_ptr, rows, row_mask, slot64, rank, ks, ct, K, 
     cols = ct * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (cols < NR) & ((cols % R) < rank)
     k_begin = ks * k_chunk
-    k_end = tl.minimum(k_begin + k_chunk, K)
-    a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
-    x_rows = x_ptr + rows[:, None] * K
-    kk = k_begin + tl.arange(0, BLOCK_K)
-    k_mask = kk < k_end
-    at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)  # before the wait
-    if PDL:
-        _gdc.gdc_wait()
-    xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    acc = tl.dot(xt, tl.trans(at), input_precision=DOT_PREC)
-    for k in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-        kk = k + tl.arange(0, BLOCK_K)
-        k_mask = kk < k_end
-        at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
-        xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
+    acc = _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin, tl.minimum(k_begin + k_chunk, K),
+                      K, NR, BLOCK_K, DOT_PREC, PDL)
     tl.store(ws_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :], acc,
              mask=row_mask[:, None] & live[None, :])
-
-
-@triton.jit
-def _sum_splits_cg(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride, SPLIT: tl.constexpr):
-    """kernels._sum_splits (the same additions in split order), reading past L1: other SMs wrote ws."""
-    ptrs = ws_ptr + rows[:, None] * row_stride + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC: tl.constexpr):
-    """One column tile (as _expand_kernel): out[rows, n] = base + scale * vt B[n, :]ᵀ, bt and base loaded."""
-    acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
-    tl.store(out_ptr + rows[:, None] * OUT + n[None, :],
-             (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, PDL: tl.constexpr):
-    """A column tile's B block (no earlier kernel writes it: read before the wait) and its base_out rows."""
-    bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
-    if PDL:
-        _gdc.gdc_wait()  # base_out is the previous kernel's output
-    base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-    return bt, base
 
 
 @triton.jit
@@ -93,19 +51,14 @@ def _expand_tile(ws_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot
     j_mask = j < rank
     b_slot = b_ptr + slot64 * OUT * R
     for i in tl.static_range(SLICES):
-        ts = _pick(i, 0, t1, t2, t3)
-        te = _pick(i, t1, t2, t3, N_TILES)
-        lo = _pick(i, 0, off1, off2, off3)
-        hi = _pick(i, off1, off2, off3, OUT)
-        a = tl.maximum(c0, ts)
-        b = tl.minimum(c1, te)
+        ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
         if a < b:
             n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = n < hi
             bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, PDL)
             while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < need:  # returns at once after the first slice
                 pass
-            vt = _sum_splits_cg(ws_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
+            vt = _sum_splits(ws_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT, ".cg")
             vt = vt.to(b_ptr.dtype.element_ty)
             _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
             for ct in range(a + 1, b):
@@ -137,13 +90,9 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
     start, stop = _chunk(tiles * E_TILES)
     t = start // E_TILES
     while t * E_TILES < stop:  # phase 2: expand items
-        slot, row0, end = _tile(work, t, MT)
-        rank, slot64 = _rank(slot, lora_ranks)
+        rank, slot64, rows, row_mask, scale, c0, c1 = _expand_head(work, t, MT, start, stop, lora_ranks, scalings,
+                                                                   perm_ptr, E_TILES, BLOCK_M, HAS_PERM)
         if rank > 0:
-            c0 = tl.maximum(start - t * E_TILES, 0)
-            c1 = tl.minimum(stop - t * E_TILES, E_TILES)
-            rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
-            scale = tl.load(scalings + slot64)
             _expand_tile(ws_ptr, sync_ptr, t, S_TILES * SPLIT, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale,
                          c0, c1, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3, SPLIT, E_TILES, SLICES, BLOCK_NE,
                          BLOCK_R, DOT_PREC, PDL)

@@ -56,13 +56,38 @@ def _chunk(items):
 
 
 @triton.jit
-def _sum_splits(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride, SPLIT: tl.constexpr):
-    """sum_s ws[s, rows, cols] in fp32, added strictly in split order (the batch-invariant reduction)."""
+def _sum_splits(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride, SPLIT: tl.constexpr,
+                CACHE: tl.constexpr = ""):
+    """sum_s ws[s, rows, cols] in fp32, added strictly in split order (the batch-invariant reduction).
+    CACHE ".cg" reads past L1, for partials that other SMs wrote during this kernel."""
     ptrs = ws_ptr + rows[:, None] * row_stride + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin, k_end, K, NR,
+                BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    """fp32 x[rows, k_begin:k_end] @ A[slot, cols, k_begin:k_end]ᵀ as one dot chain over BLOCK_K steps (the order
+    every shrink path uses). The first A block is read before `gdc_wait`: no earlier kernel writes adapters."""
+    a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
+    x_rows = x_ptr + rows[:, None] * K
+    kk = k_begin + tl.arange(0, BLOCK_K)
+    k_mask = kk < k_end
+    at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
+    if PDL:
+        _gdc.gdc_wait()
+    xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    acc = tl.dot(xt, tl.trans(at), input_precision=DOT_PREC)
+    for k in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        kk = k + tl.arange(0, BLOCK_K)
+        k_mask = kk < k_end
+        at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
+        xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -94,22 +119,8 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr,
             col_mask = cols < NR
             live = col_mask & ((cols % R) < rank)
             k_begin = ks * k_chunk
-            k_end = tl.minimum(k_begin + k_chunk, K)
-            a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
-            x_rows = x_ptr + rows[:, None] * K
-            kk = k_begin + tl.arange(0, BLOCK_K)
-            k_mask = kk < k_end
-            at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)  # before the wait
-            if PDL:
-                _gdc.gdc_wait()
-            xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(xt, tl.trans(at), input_precision=DOT_PREC)
-            for k in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-                kk = k + tl.arange(0, BLOCK_K)
-                k_mask = kk < k_end
-                at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
-                xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
+            acc = _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin,
+                              tl.minimum(k_begin + k_chunk, K), K, NR, BLOCK_K, DOT_PREC, PDL)
             out_ptrs = out_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :]
             if PARTIAL:
                 tl.store(out_ptrs, acc, mask=row_mask[:, None] & live[None, :])
@@ -151,6 +162,47 @@ def _pick(i: tl.constexpr, a0, a1, a2, a3):
         return a3
 
 
+@triton.jit
+def _expand_head(work, t, MT, start, stop, lora_ranks, scalings, perm_ptr, N_TILES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Tile t of an expand chunk [start, stop): rank, slot, rows, scaling and its column tiles [c0, c1)."""
+    slot, row0, end = _tile(work, t, MT)
+    rank, slot64 = _rank(slot, lora_ranks)
+    rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
+    scale = tl.load(scalings + slot64)
+    return (rank, slot64, rows, row_mask, scale, tl.maximum(start - t * N_TILES, 0),
+            tl.minimum(stop - t * N_TILES, N_TILES))
+
+
+@triton.jit
+def _slice_span(i: tl.constexpr, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES: tl.constexpr, OUT):
+    """Slice i's first column tile ts, its columns [lo, hi), and the part [a, b) of column tiles [c0, c1) in it
+    (the plan pads t_k / off_k of absent slices with the ends)."""
+    ts = _pick(i, 0, t1, t2, t3)
+    te = _pick(i, t1, t2, t3, N_TILES)
+    lo = _pick(i, 0, off1, off2, off3)
+    hi = _pick(i, off1, off2, off3, OUT)
+    return ts, lo, hi, tl.maximum(c0, ts), tl.minimum(c1, te)
+
+
+@triton.jit
+def _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, PDL: tl.constexpr):
+    """A column tile's B block (no earlier kernel writes it: read before the wait) and its base_out rows."""
+    bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+    if PDL:
+        _gdc.gdc_wait()  # base_out is the previous kernel's output
+    base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+    return bt, base
+
+
+@triton.jit
+def _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC: tl.constexpr):
+    """One column tile: out[rows, n] = base + scale * vt B[n, :]ᵀ (bt, base loaded by _load_col)."""
+    acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
+    tl.store(out_ptr + rows[:, None] * OUT + n[None, :],
+             (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["MT", "num_rows"])
 def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                    MT, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3,
@@ -170,35 +222,20 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
     start, stop = _chunk(tl.load(work) * N_TILES)
     t = start // N_TILES
     while t * N_TILES < stop:
-        slot, row0, end = _tile(work, t, MT)
-        rank, slot64 = _rank(slot, lora_ranks)
+        rank, slot64, rows, row_mask, scale, c0, c1 = _expand_head(work, t, MT, start, stop, lora_ranks, scalings,
+                                                                   perm_ptr, N_TILES, BLOCK_M, HAS_PERM)
         if rank > 0:
-            c0 = tl.maximum(start - t * N_TILES, 0)
-            c1 = tl.minimum(stop - t * N_TILES, N_TILES)
-            rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
-            scale = tl.load(scalings + slot64)
             j = tl.arange(0, BLOCK_R)
             j_mask = j < rank
             b_slot = b_ptr + slot64 * OUT * R
             for i in tl.static_range(SLICES):
-                ts = _pick(i, 0, t1, t2, t3)
-                te = _pick(i, t1, t2, t3, N_TILES)  # the plan pads t_k / off_k of absent slices with the ends
-                lo = _pick(i, 0, off1, off2, off3)
-                hi = _pick(i, off1, off2, off3, OUT)
-                a = tl.maximum(c0, ts)
-                b = tl.minimum(c1, te)
+                ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
                 if a < b:
                     vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
                     vt = vt.to(b_ptr.dtype.element_ty)
                     for ct in range(a, b):
                         n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
                         n_mask = n < hi
-                        bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :],
-                                     other=0.0)
-                        out_ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
-                        mask = row_mask[:, None] & n_mask[None, :]
-                        base = tl.load(out_ptrs, mask=mask, other=0.0)
-                        acc = tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
-                        tl.store(out_ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty),
-                                 mask=mask)
+                        bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, False)
+                        _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
         t += 1
