@@ -2,6 +2,7 @@
 tests that fail without the events), no host syncs, and no leaks over 10,000 load/evict cycles."""
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -283,4 +284,5 @@ def test_folder_truncated_mid_read_fails_its_request_and_leaks_no_slot_event_or_
         assert stager._inflight == {}
     [loader.is_loading(s) for s in range(pool.num_slots)]
     assert loader.slot_of("a0") is None and loader._pending == set() and all(p is None for p in loader._load_src)
-    assert blocks[-1] == blocks[-4], f"pinned blocks created per round: {blocks}"
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # a host allocator count: checked in the runs without the tool
+        assert blocks[-1] == blocks[-4], f"pinned blocks created per round: {blocks}"
