@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import common
-from lora_kernels import BatchInfoBuilder, LoRABatchInfo
+from lora_kernels import BatchInfoBuilder, LoRABatchInfo, batch_info
 
 MAX_TOKENS, MAX_SEGMENTS, NUM_SLOTS = 16384, 1024, 32
 SIZES = (1, 16, 64, 256, 1024)
@@ -89,30 +89,34 @@ def main() -> None:
     reps = 200 if args.quick else 2000
     ranks = torch.full((NUM_SLOTS,), 16, dtype=torch.int32, device=device)
     scalings = torch.ones(NUM_SLOTS, device=device)
-    builders = {g: BatchInfoBuilder(MAX_TOKENS, MAX_SEGMENTS, ranks, scalings, cuda_graph=g) for g in (False, True)}
+    builders = {mode: BatchInfoBuilder(MAX_TOKENS, MAX_SEGMENTS, ranks, scalings, cuda_graph=mode != "eager")
+                for mode in ("eager", "graph")}
+    if device.type == "cuda" and batch_info._fill_record is not None:  # the one-call graph build (opt-in)
+        batch_info.NATIVE_COPY = True
+        builders["graph native"] = BatchInfoBuilder(MAX_TOKENS, MAX_SEGMENTS, ranks, scalings, cuda_graph=True)
+        batch_info.NATIVE_COPY = False
     rng = np.random.default_rng(0)
     rows = []
     for kind in ("decode", "mixed"):
         for n in SIZES:
             counts, slots = make_batch(kind, n, rng)
-            variants = {(graph, sort): (lambda b=builders[graph], s=sort: b.build(counts, slots, sort_by_adapter=s))
-                        for graph in (False, True) for sort in (False, True)}
+            variants = {(mode, sort): (lambda b=builders[mode], s=sort: b.build(counts, slots, sort_by_adapter=s))
+                        for mode in builders for sort in (False, True)}
             variants["naive"] = lambda: naive_build(counts, slots, ranks, scalings)
-            stalls = {g: b.stalls for g, b in builders.items()}
+            stalls = {m: b.stalls for m, b in builders.items()}
             times = common.time_host_interleaved_us(variants, reps=reps)
             naive = times.pop("naive")
-            for (graph, sort), t in times.items():
+            for (mode, sort), t in times.items():
                 row = {"bench": "batch_info", "kind": kind, "requests": n, "tokens": sum(counts),
-                       "mode": "graph" if graph else "eager", "sort": sort, **t,
+                       "mode": mode, "sort": sort, **t,
                        "naive_median_us": naive["median_us"], "naive_p99_us": naive["p99_us"],
                        "speedup": naive["median_us"] / t["median_us"]}
-                target = TARGETS.get((kind, n, graph))
+                target = TARGETS.get((kind, n, mode != "eager"))
                 if target is not None:
                     row["target_us"] = target
                     row["target_met"] = t["median_us"] <= target
+                row["stalls"] = builders[mode].stalls - stalls[mode]  # over all the rows of this batch
                 rows.append(row)
-            for row in rows[-4:]:  # stalls are counted per builder, over all the rows of this batch
-                row["stalls"] = builders[row["mode"] == "graph"].stalls - stalls[row["mode"] == "graph"]
     if device.type == "cuda":
         torch.cuda.synchronize()
     common.print_table(rows, ["kind", "requests", "tokens", "mode", "sort", "median_us", "p99_us",

@@ -43,6 +43,7 @@ torch backend and the CPU tests use it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -61,6 +62,9 @@ _min, _max = np.minimum.reduce, np.maximum.reduce
 # The current stream as a raw handle: a dict key, cheaper than building a torch Stream per build.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
+# Graph mode on CUDA with the extension: the C++ filler also copies the record and records the ring event (one
+# call instead of fill + copy_ + Event.record). Opt-in until measured on a GPU.
+NATIVE_COPY = os.environ.get("LORA_KERNELS_NATIVE_COPY", "0") == "1"
 
 
 @dataclass
@@ -179,6 +183,14 @@ class _GraphBuffers:
         self.dec_lens = torch.from_numpy(lens).to(b.device)
         self.dec_indptr = torch.from_numpy(indptr).to(b.device)
         self.dec_rows = covered
+        # The native copy's destinations: (address, bytes) of a decode record, an unsorted and a sorted record.
+        end = ip + S + 1
+        self.copy_plan = (self.dec_head.data_ptr(), 4 * (S + 1), dev.data_ptr(), 4 * end, dev.data_ptr(),
+                          4 * b._record_len)
+        self.native = NATIVE_COPY and _fill_record is not None and b.device.type == "cuda"
+        if self.native:  # the ring's events must exist before the C++ side records them by handle
+            for st in b._ring:
+                st.event.record(torch.cuda.current_stream(b.device))
 
 
 class BatchInfoBuilder:
@@ -250,6 +262,8 @@ class BatchInfoBuilder:
         n = check_host_lists(seg_token_counts, slots, self.max_segments)
         st = self._acquire()
         if _fill_record is not None and type(slots) in _SEQ and type(seg_token_counts) in _SEQ:
+            if self._g is not None and self._g.native:
+                return _graph_build_native(self, st, seg_token_counts, slots, n, sort_by_adapter)
             return self._build_native(st, seg_token_counts, slots, n, sort_by_adapter)
         rec = st.array
         # Slots go to rec[1:1+n] first: the decode record's slot array and, for one-tile segments, the work list's.
@@ -365,19 +379,38 @@ class BatchInfoBuilder:
         else:
             dst = src.clone()
         if st.event is not None:  # the copy ran on the destination device's current stream
-            st.event.record(self._current_stream() if self._is_cuda else None)
+            st.event.record(_current_stream(self) if self._is_cuda else None)
         self._next = (self._next + 1) % len(self._ring)
         self.builds += 1
         return dst
-
-    def _current_stream(self):
-        raw = _raw_stream(self._dev_index)
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
-        return stream
 
     def _info(self, wi, lens, indptr, perm, num_segments, max_seg_len, num_tokens, work, max_tiles) -> LoRABatchInfo:
         return LoRABatchInfo(seg_lens=lens, seg_indptr=indptr, weight_indices=wi, permutation=perm,
                              num_segments=num_segments, max_seg_len=max_seg_len, num_tokens=num_tokens,
                              lora_ranks=self.lora_ranks, scalings=self.scalings, work=work, max_tiles=max_tiles)
+
+
+def _current_stream(b: BatchInfoBuilder):
+    """The builder's device's current torch Stream, cached by raw handle (no Stream object built per build)."""
+    raw = _raw_stream(b._dev_index)
+    stream = b._streams.get(raw)
+    if stream is None:
+        stream = b._streams[raw] = torch.cuda.current_stream(b.device)
+    return stream
+
+
+def _graph_build_native(b: BatchInfoBuilder, st: _Staging, seg_token_counts, slots, n: int, sort: bool):
+    """Graph-mode build in one C++ call: fill, restore the permutation tail, copy to the static buffers on the
+    current stream, record the ring event (the same record and info as _build_native + _copy)."""
+    g, S = b._g, b.max_segments
+    copy = (st.perm_dirty, b._dev_index, _raw_stream(b._dev_index), st.event.cuda_event, *g.copy_plan)
+    res = _fill_record(seg_token_counts, slots, st.array, b._perm_target(st) if sort else st.array, b.num_slots,
+                       b.max_tokens, sort, S, b._mt, b._dec_rows, TILE_M, copy)
+    b._next = (b._next + 1) % len(b._ring)
+    b.builds += 1
+    if res[0] == 0:
+        return b._decode_info(n)
+    _, k, _, total, _, m, _ = res
+    if sort:
+        st.perm_dirty = total
+    return b._info(g.wi, g.lens, g.indptr, g.perm if sort else None, k, b.max_tokens, total, g.work, m)

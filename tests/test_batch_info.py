@@ -522,3 +522,47 @@ def test_native_record_rejects_bad_input(counts, slots, match):
     builder = BatchInfoBuilder(300, 8, *pool())
     with pytest.raises((ValueError, TypeError), match=match):
         builder.build(counts, slots)
+
+
+@pytest.mark.skipif(batch_info._fill_record is None or torch.cuda.is_available(),
+                    reason="needs the extension and no GPU (on a GPU the copy runs: see the GPU test below)")
+def test_native_copy_without_a_gpu_raises():
+    """The one-call graph build's copy reports a CUDA failure as a RuntimeError, never a silent record."""
+    rec = np.zeros(64, np.int32)
+    with pytest.raises(RuntimeError, match="record copy failed"):
+        batch_info._fill_record([1], [0], rec, rec, 4, 16, False, 8, 8, 8, 16, (0, 0, 0, 0, 0, 36, 0, 36, 0, 256))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(batch_info._fill_record is None, reason="the extension (its C++ record filler) is not built")
+def test_native_copy_equals_torch_copy(monkeypatch):
+    """Graph mode with LORA_KERNELS_NATIVE_COPY (fill, copy and event in one C++ call) writes the same device
+    buffers as fill + copy_ + Event.record, over more batches than the staging ring holds, with no host sync; a
+    sorted batch after a longer one leaves the identity in the permutation past its rows."""
+    rng = np.random.default_rng(41)
+    ranks, scal = pool()
+    ranks, scal = ranks.cuda(), scal.cuda()
+    plain = BatchInfoBuilder(300, 40, ranks, scal, cuda_graph=True)
+    monkeypatch.setattr(batch_info, "NATIVE_COPY", True)
+    native = BatchInfoBuilder(300, 40, ranks, scal, cuda_graph=True)
+    assert native._g.native and not plain._g.native
+    torch.cuda.synchronize()
+    for trial in range(80):
+        n = int(rng.integers(0, 41))
+        counts = [1] * n if trial % 3 == 0 else [int(c) for c in rng.integers(0, 8, n)]
+        slots = [int(s) for s in rng.integers(-1, ranks.shape[0], n)]
+        sort = trial % 4 >= 2
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            a = native.build(counts, slots, sort_by_adapter=sort)
+            b = plain.build(counts, slots, sort_by_adapter=sort)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        for f in ("seg_lens", "seg_indptr", "weight_indices", "permutation", "work"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (trial, f)
+        assert (a.num_segments, a.max_seg_len, a.num_tokens, a.max_tiles) == (b.num_segments, b.max_seg_len,
+                                                                               b.num_tokens, b.max_tiles)
+        check_info(native, a, counts, slots, sort)  # the permutation past the rows included
+    assert native.builds == plain.builds == 80 and native.stalls == 0

@@ -3,6 +3,8 @@
 // against the CPython API directly: a torch op costs more in dispatch than this whole function.
 #include "host/batch_record.h"
 
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -159,51 +161,96 @@ int64_t tile_count(const std::vector<int32_t>& seg_len, int64_t tile_m) {
   return tiles;
 }
 
-PyObject* fill_batch_record(PyObject*, PyObject* args) {
-  PyObject *counts_obj, *slots_obj, *rec_obj, *perm_obj;
-  long long num_slots, max_tokens, graph_cap, graph_mt, dec_rows, tile_m;
-  int sort;
-  if (!PyArg_ParseTuple(args, "OOOOLLpLLLL", &counts_obj, &slots_obj, &rec_obj, &perm_obj, &num_slots, &max_tokens,
-                        &sort, &graph_cap, &graph_mt, &dec_rows, &tile_m))
-    return nullptr;
+struct Filled {  // what fill() wrote: kind 0 = graph-mode pure decode (count + slots only), 1 = general record
+  int kind = 0;
+  int64_t n = 0, k = 0, total = 0, tiles = 0, m = 0, cap = 0;
+  int32_t max_len = 0;
+};
+
+// Parses and checks the lists, then writes the record (and, sorting, perm). False with a Python error set.
+bool fill(PyObject* counts_obj, PyObject* slots_obj, Buffer& rec, Buffer& perm, long long num_slots,
+          long long max_tokens, bool sort, long long graph_cap, long long graph_mt, long long dec_rows,
+          long long tile_m, Filled& out) {
   PyObject* counts_seq = PySequence_Fast(counts_obj, "seg_token_counts must be a list or tuple");
-  if (counts_seq == nullptr) return nullptr;
+  if (counts_seq == nullptr) return false;
   PyObject* slots_seq = PySequence_Fast(slots_obj, "slots must be a list or tuple");
   if (slots_seq == nullptr) {
     Py_DECREF(counts_seq);
-    return nullptr;
+    return false;
   }
   Request r;
   bool read = read_ints(counts_seq, "seg_token_counts", r.counts) && read_ints(slots_seq, "slots", r.slots);
   Py_DECREF(counts_seq);
   Py_DECREF(slots_seq);
-  if (!read) return nullptr;
-  int64_t total;
   bool ones;
-  if (!check(r, num_slots, max_tokens, &total, &ones)) return nullptr;
-  Buffer rec(rec_obj), perm(perm_obj);
-  if (!rec.ok || !perm.ok) return nullptr;
-  const int64_t n = static_cast<int64_t>(r.slots.size());
-  if (!sort && ones && n <= dec_rows) {  // graph-mode pure decode: [n | slots padded with -1 to graph_cap]
-    if (rec.size() < graph_cap + 1) return PyErr_Format(PyExc_ValueError, "fill_batch_record: record too short");
-    rec.data()[0] = static_cast<int32_t>(n);
-    for (int64_t i = 0; i < graph_cap; ++i) rec.data()[1 + i] = i < n ? static_cast<int32_t>(r.slots[i]) : -1;
-    return Py_BuildValue("(iL)", 0, static_cast<long long>(n));
+  if (!read || !check(r, num_slots, max_tokens, &out.total, &ones)) return false;
+  out.n = static_cast<int64_t>(r.slots.size());
+  if (!sort && ones && out.n <= dec_rows) {  // graph-mode pure decode: [n | slots padded with -1 to graph_cap]
+    if (rec.size() < graph_cap + 1) return PyErr_Format(PyExc_ValueError, "fill_batch_record: record too short"), false;
+    rec.data()[0] = static_cast<int32_t>(out.n);
+    for (int64_t i = 0; i < graph_cap; ++i) rec.data()[1 + i] = i < out.n ? static_cast<int32_t>(r.slots[i]) : -1;
+    out.kind = 0;
+    return true;
   }
-  if (sort && perm.size() < total) return PyErr_Format(PyExc_ValueError, "fill_batch_record: perm too short");
+  if (sort && perm.size() < out.total) return PyErr_Format(PyExc_ValueError, "fill_batch_record: perm too short"), false;
   std::vector<int32_t> seg_slot, seg_len;
   segments(r, sort, num_slots, seg_slot, seg_len, perm.data());
-  const int64_t k = static_cast<int64_t>(seg_slot.size());
-  const int64_t tiles = tile_count(seg_len, tile_m);
-  const int64_t m = graph_mt > 0 ? graph_mt : std::max<int64_t>(tiles, 1);
-  const int64_t cap = graph_cap > 0 ? graph_cap : std::max<int64_t>(k, 1);
-  if (tiles > m || rec.size() < 1 + 3 * m + 3 * cap + 1)
-    return PyErr_Format(PyExc_ValueError, "fill_batch_record: record too short");
-  write_general(rec.data(), seg_slot, seg_len, m, cap, tile_m);
-  int32_t max_len = 0;
-  for (int32_t len : seg_len) max_len = std::max(max_len, len);
-  return Py_BuildValue("(iLiLLLL)", 1, static_cast<long long>(k), max_len, static_cast<long long>(total),
-                       static_cast<long long>(tiles), static_cast<long long>(m), static_cast<long long>(cap));
+  out.kind = 1;
+  out.k = static_cast<int64_t>(seg_slot.size());
+  out.tiles = tile_count(seg_len, tile_m);
+  out.m = graph_mt > 0 ? graph_mt : std::max<int64_t>(out.tiles, 1);
+  out.cap = graph_cap > 0 ? graph_cap : std::max<int64_t>(out.k, 1);
+  if (out.tiles > out.m || rec.size() < 1 + 3 * out.m + 3 * out.cap + 1)
+    return PyErr_Format(PyExc_ValueError, "fill_batch_record: record too short"), false;
+  write_general(rec.data(), seg_slot, seg_len, out.m, out.cap, tile_m);
+  for (int32_t len : seg_len) out.max_len = std::max(out.max_len, len);
+  return true;
+}
+
+// Graph mode: restores the identity in perm[total, perm_dirty), then copies the record's used prefix (count +
+// slots for a decode record, the general record, or the whole record with its permutation tail when sorting)
+// to its static device buffer on `stream` and records `event` there: one call instead of three torch ones.
+// copy = (perm_dirty, device, stream, event, dec_dst, dec_bytes, gen_dst, gen_bytes, sorted_dst, sorted_bytes).
+bool copy_record(PyObject* copy, Buffer& rec, Buffer& perm, bool sort, const Filled& f) {
+  long long dirty, device, stream, event, dst[3], bytes[3];
+  if (!PyArg_ParseTuple(copy, "LLLLLLLLLL", &dirty, &device, &stream, &event, &dst[0], &bytes[0], &dst[1], &bytes[1],
+                        &dst[2], &bytes[2]))
+    return false;
+  if (sort)
+    for (int64_t i = f.total; i < dirty && i < perm.size(); ++i) perm.data()[i] = static_cast<int32_t>(i);
+  const int which = f.kind == 0 ? 0 : (sort ? 2 : 1);
+  if (bytes[which] > rec.size() * 4) return PyErr_Format(PyExc_ValueError, "fill_batch_record: copy too long"), false;
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(static_cast<int>(device));
+  auto s = reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream));
+  if (err == cudaSuccess)
+    err = cudaMemcpyAsync(reinterpret_cast<void*>(static_cast<intptr_t>(dst[which])), rec.data(),
+                          static_cast<size_t>(bytes[which]), cudaMemcpyHostToDevice, s);
+  if (err == cudaSuccess) err = cudaEventRecord(reinterpret_cast<cudaEvent_t>(static_cast<intptr_t>(event)), s);
+  if (current >= 0 && current != device) cudaSetDevice(current);
+  if (err != cudaSuccess)
+    return PyErr_Format(PyExc_RuntimeError, "fill_batch_record: record copy failed: %s", cudaGetErrorString(err)),
+           false;
+  return true;
+}
+
+PyObject* fill_batch_record(PyObject*, PyObject* args) {
+  PyObject *counts_obj, *slots_obj, *rec_obj, *perm_obj, *copy = Py_None;
+  long long num_slots, max_tokens, graph_cap, graph_mt, dec_rows, tile_m;
+  int sort;
+  if (!PyArg_ParseTuple(args, "OOOOLLpLLLL|O", &counts_obj, &slots_obj, &rec_obj, &perm_obj, &num_slots, &max_tokens,
+                        &sort, &graph_cap, &graph_mt, &dec_rows, &tile_m, &copy))
+    return nullptr;
+  Buffer rec(rec_obj), perm(perm_obj);
+  if (!rec.ok || !perm.ok) return nullptr;
+  Filled f;
+  if (!fill(counts_obj, slots_obj, rec, perm, num_slots, max_tokens, sort, graph_cap, graph_mt, dec_rows, tile_m, f))
+    return nullptr;
+  if (copy != Py_None && !copy_record(copy, rec, perm, sort, f)) return nullptr;
+  if (f.kind == 0) return Py_BuildValue("(iL)", 0, static_cast<long long>(f.n));
+  return Py_BuildValue("(iLiLLLL)", 1, static_cast<long long>(f.k), f.max_len, static_cast<long long>(f.total),
+                       static_cast<long long>(f.tiles), static_cast<long long>(f.m), static_cast<long long>(f.cap));
 }
 
 }  // namespace
@@ -211,7 +258,9 @@ PyObject* fill_batch_record(PyObject*, PyObject* args) {
 PyMethodDef host_methods[] = {
     {"fill_batch_record", fill_batch_record, METH_VARARGS,
      "fill_batch_record(counts, slots, rec, perm, num_slots, max_tokens, sort, graph_cap, graph_mt, dec_rows, "
-     "tile_m) -> (0, n) for a graph-mode decode record, else (1, segments, max_len, total, tiles, m, cap)"},
+     "tile_m[, copy]) -> (0, n) for a graph-mode decode record, else (1, segments, max_len, total, tiles, m, cap); "
+     "copy = (perm_dirty, device, stream, event, dec_dst, dec_bytes, gen_dst, gen_bytes, sorted_dst, sorted_bytes) "
+     "also restores the permutation tail and copies the record to the device, then records the event"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace lora_kernels
