@@ -71,6 +71,21 @@ def test_fused_equals_two_launches_and_reference(monkeypatch, table, dtype, k):
     plan.clear_cache()
 
 
+def test_path_follows_the_table_without_a_cache_clear(monkeypatch):
+    """The launch recipes are cached per argument signature and per path: a table whose `fused` entry changes
+    between calls (bench_kernels' triton-fused variant swaps it) takes effect at the next call."""
+    rng = np.random.default_rng(7)
+    case = make_case(rng, num_slots=4, max_rank=8, slice_widths=(16,), in_dim=48, seg_lens=(1, 1), device=DEVICE)
+    _set(monkeypatch, dict(plan.TABLE), OFF)
+    tb._sync.clear()
+    two = _apply(case)
+    assert not tb._sync, "the two-launch path ran the fused kernel"
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "fused": ON})  # no clear_cache
+    one = _apply(case)
+    assert tb._sync and torch.equal(one, two)
+    plan.clear_cache()
+
+
 def test_fused_grid_checks(monkeypatch):
     """check_case (shrink, expand and apply against float64, untouched rows bit-equal) with the fused path on."""
     _set(monkeypatch, dict(plan.TABLE), ON)
