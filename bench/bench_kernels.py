@@ -232,7 +232,7 @@ def run_bench(args):
             if " " in v:
                 best.setdefault(v.split()[0], []).append(med)
         if case.kind == "decode" and case.batch == 1 and case.pop == "distinct":
-            host_rows += host_overhead(case, mods, [b for b in backends if b in ("triton", "cuda")])
+            host_rows += host_overhead(case, mods, [b for b in backends if b in ("triton", "triton-fused", "cuda")])
         if "sorted" in infos:
             inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", "cuda", "triton-fused")])
         del mods
@@ -306,16 +306,20 @@ def apply(backend: str, x, out, a, b, info, offsets) -> None:
 
 
 def host_overhead(case, mods, backends):
+    """Eager host µs per apply_lora call and GPU µs per eager layer; triton-fused is timed with the table's fused
+    path switched on around the whole measurement (not per call, which would add the switch to the host time)."""
     out = []
     for b in backends:
-        fns = [mods[m].fns(f"{b} unsorted")[0] for m in MODULES]
-        host = common.time_host_us(fns[0], warmup=20, reps=300)["median_us"]
+        fns = [mods[m].fns(f"{'triton' if b == 'triton-fused' else b} unsorted")[0] for m in MODULES]
 
         def layer():
             for f in fns:
                 f()
-        out.append({"case": case.name, "backend": b, "host_us_per_call": host,
-                    "eager_layer_us": common.time_cuda_us(layer, warmup=5, reps=30)})
+
+        def measure():
+            return {"host_us_per_call": common.time_host_us(fns[0], warmup=20, reps=300)["median_us"],
+                    "eager_layer_us": common.time_cuda_us(layer, warmup=5, reps=30)}
+        out.append({"case": case.name, "backend": b, **(fused_on(measure) if b == "triton-fused" else measure())})
     return out
 
 
