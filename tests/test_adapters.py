@@ -76,6 +76,23 @@ def test_store_lru_by_bytes():
         HostAdapterStore(SPEC, torch.float32, capacity_bytes=one - 1, pin=False).register("big", _adapter(4, 0))
 
 
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_loaded_adapter_is_the_stores_first_to_drop(exclusive):
+    """host_exclusive: an adapter loaded into a slot is demoted in the host store, so that a new adapter pushes
+    it out rather than one the GPU does not hold (x); with host_exclusive=False the store stays plain LRU."""
+    one = pack_adapter("x", _adapter(4, 0), SPEC, torch.float32, pin=False).nbytes
+    store = HostAdapterStore(SPEC, torch.float32, capacity_bytes=2 * one, pin=False)
+    pool = GpuAdapterPool(SPEC, num_slots=2, max_rank=4, dtype=torch.float32, device="cpu")
+    loader = AdapterLoader(pool, store, host_exclusive=exclusive)
+    store.register("x", _adapter(4, 1))
+    store.register("a", _adapter(4, 2))  # most recently used
+    slot = loader.load_async("a")
+    assert store.packed_ids() == (["a", "x"] if exclusive else ["x", "a"])
+    store.register("c", _adapter(4, 3))
+    assert store.is_packed("x") == exclusive and store.is_packed("a") != exclusive and store.is_packed("c")
+    check_slot(pool, slot, _adapter(4, 2))  # the slot holds a's weights either way
+
+
 def test_store_threaded_registration():
     store = HostAdapterStore(SPEC, torch.float32, pin=False)
     ws = {f"a{i}": _adapter(1 + i % 4, i) for i in range(16)}

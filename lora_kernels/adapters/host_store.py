@@ -94,6 +94,13 @@ class HostAdapterStore:
                 self._packed.move_to_end(adapter_id)
             return packed
 
+    def demote(self, adapter_id: str) -> None:
+        """Marks the adapter the first to drop (a no-op when not packed): the loader calls it once the adapter is
+        on the GPU, so that host memory goes to adapters the GPU does not hold."""
+        with self._lock:
+            if adapter_id in self._packed:
+                self._packed.move_to_end(adapter_id, last=False)
+
     def packed_ids(self) -> list[str]:
         """Ids of the adapters held packed now, least recently used first."""
         with self._lock:

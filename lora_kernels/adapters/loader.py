@@ -212,14 +212,20 @@ class _SlotTable:
 
 
 class AdapterLoader(_SlotTable):
-    """Slot assignment, async loads, LRU eviction and GPU-side ordering for one pool and one host store."""
+    """Slot assignment, async loads, LRU eviction and GPU-side ordering for one pool and one host store.
+
+    host_exclusive (default True): an adapter loaded into a slot becomes the host store's first to drop, so
+    that a bounded store spends its memory on adapters the GPU does not hold (a victim cache: with as much host
+    memory as slots, up to twice the adapters stay a copy away instead of a folder read). False keeps the
+    store's plain LRU order.
+    """
 
     def __init__(self, pool: GpuAdapterPool, store: HostAdapterStore, load_stream: torch.cuda.Stream | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", host_exclusive: bool = True):
         if store.spec != pool.spec or store.dtype != pool.dtype:
             raise ValueError(f"store ({store.spec}, {store.dtype}) and pool ({pool.spec}, {pool.dtype}) differ "
                              f"(under tensor parallelism both take this rank's tp_rank, tp_size)")
-        self.pool, self.store, self.backend = pool, store, backend
+        self.pool, self.store, self.backend, self.host_exclusive = pool, store, backend, host_exclusive
         self.is_cuda = pool.device.type == "cuda"
         self.load_stream = None
         if self.is_cuda:
@@ -259,6 +265,8 @@ class AdapterLoader(_SlotTable):
                              f"{self.pool.max_rank}")
         slot = self._take_slot(adapter_id, victim)
         self._issue(slot, packed)
+        if self.host_exclusive:
+            self.store.demote(adapter_id)
         self._slot_of[adapter_id] = slot
         self._id_of[slot] = adapter_id
         return slot
