@@ -1,8 +1,8 @@
 """Drives the `cuda` backend's kernels for the device evidence of scripts/cuda_evidence.sh.
 
     smoke  every kernel path once on small shapes, checked against reference.py
-    ncu    one decode apply (batch 64, distinct adapters, r64, gate_up) and one prefill apply
-           (8 x 1024 rows, r64, gate_up): the CUDA-core and tensor-core kernels, for Nsight Compute
+    ncu [BACKEND]  one decode apply (batch 64, distinct adapters, r64, gate_up) and one prefill apply
+           (8 x 1024 rows, r64, gate_up), for Nsight Compute; BACKEND cuda (default), triton or triton-fused
     pdl    µs per module and per layer in graph replay at decode batch 1 (qkv, o, gate_up, down);
            run once with LORA_KERNELS_PDL=0 and once without to see what programmatic launch buys
 """
@@ -75,11 +75,16 @@ def _module_case(rng, name, rank, counts, slots, num_slots):
     return x, out, a, b, info, offs
 
 
-def ncu():
+def ncu(backend="cuda"):
+    """backend: cuda, triton, or triton-fused (Triton with the one-launch path on); for Triton, profile with
+    `ncu -k regex:_kernel` (its kernels are _shrink_kernel, _expand_kernel, _reduce_kernel, _fused_kernel)."""
     rng = np.random.default_rng(1)
+    if backend == "triton-fused":
+        from lora_kernels.backends.triton import plan
+        plan.TABLE = {**plan.TABLE, "fused": {**plan.FUSED_DEFAULT, "max_rows": 1 << 30}}
     for counts, slots, num_slots in (([1] * 64, list(range(64)), 64), ([1024] * 8, list(range(8)), 8)):
         x, out, a, b, info, offs = _module_case(rng, "gate_up", 64, counts, slots, num_slots)
-        lk.apply_lora(x, out, a, b, info, offs, backend="cuda")
+        lk.apply_lora(x, out, a, b, info, offs, backend=backend.split("-")[0])
     torch.cuda.synchronize()
 
 
@@ -99,4 +104,4 @@ def pdl():
 
 
 if __name__ == "__main__":
-    {"smoke": smoke, "ncu": ncu, "pdl": pdl}[sys.argv[1]]()
+    {"smoke": smoke, "ncu": ncu, "pdl": pdl}[sys.argv[1]](*sys.argv[2:])
