@@ -129,6 +129,12 @@ class LoRABatchInfo:
         return self.lora_ranks.shape[0]
 
 
+def _layout(m: int, c: int) -> tuple[int, int, int]:
+    """Offsets of weight_indices, seg_lens, seg_indptr in a record of m tiles and c segments."""
+    w = 1 + 3 * m
+    return w, w + c, w + 2 * c
+
+
 class _Staging:
     """One ring entry: a (pinned, on CUDA) int32 record, its numpy view, and the event behind its last copy."""
 
@@ -159,7 +165,7 @@ class _GraphBuffers:
 
     def __init__(self, b: "BatchInfoBuilder"):
         S, T, m = b.max_segments, b.max_tokens, b._mt
-        w, ln, ip = b._layout(m, S)
+        w, ln, ip = _layout(m, S)
         init = np.zeros(b._record_len, np.int32)  # no tiles, every segment empty with slot -1, identity perm
         init[w:ln] = -1
         init[ip + S + 1:] = np.arange(T)
@@ -234,11 +240,6 @@ class BatchInfoBuilder:
         self._g = _GraphBuffers(self) if cuda_graph else None
         self._dec_rows = self._g.dec_rows if cuda_graph else 0
 
-    def _layout(self, m: int, c: int) -> tuple[int, int, int]:
-        """Offsets of weight_indices, seg_lens, seg_indptr in a record of m tiles and c segments."""
-        w = 1 + 3 * m
-        return w, w + c, w + 2 * c
-
     def graph_family(self, info: LoRABatchInfo) -> tuple[str, bool]:
         """(\"decode\" | \"general\", sorted): a graph captured with one info replays infos of the same family."""
         if not self.cuda_graph:
@@ -310,7 +311,7 @@ class BatchInfoBuilder:
         cap = self.max_segments if self.cuda_graph else max(n, 1)
         tiles = n if one_each else tile_count(c)
         m = self._mt if self.cuda_graph else max(tiles, 1)
-        wo, lo, io = self._layout(m, cap)
+        wo, lo, io = _layout(m, cap)
         wi, lens, indptr = rec[wo:lo], rec[lo:io], rec[io:io + cap + 1]
         wi[:n] = w
         wi[n:] = -1
@@ -324,15 +325,13 @@ class BatchInfoBuilder:
                 perm: np.ndarray | None) -> LoRABatchInfo:
         """Copies the record written for m tiles and cap segments (and perm[:total]) and returns its info."""
         rec = st.array
-        end = self._layout(m, cap)[2] + cap + 1
+        end = _layout(m, cap)[2] + cap + 1
         if self.cuda_graph:
-            if perm is not None:
+            if perm is not None:  # the whole record: its permutation tail included
                 self._copy(st, self._record_len, self._g.record)
-                return self._info(self._g.wi, self._g.lens, self._g.indptr, self._g.perm, n, self.max_tokens,
-                                  total, self._g.work, m)
-            self._copy(st, end, self._g.dst[end])
-            return self._info(self._g.wi, self._g.lens, self._g.indptr, None, n, self.max_tokens, total,
-                              self._g.work, m)
+            else:
+                self._copy(st, end, self._g.dst[end])
+            return self._graph_info(n, total, m, perm is not None)
         plen = 0 if perm is None else total
         if plen:
             rec[end:end + plen] = perm[:plen]
@@ -380,9 +379,18 @@ class BatchInfoBuilder:
             dst = src.clone()
         if st.event is not None:  # the copy ran on the destination device's current stream
             st.event.record(_current_stream(self) if self._is_cuda else None)
+        self._advance()
+        return dst
+
+    def _advance(self) -> None:
+        """A build's copy is queued: the next build takes the next staging buffer."""
         self._next = (self._next + 1) % len(self._ring)
         self.builds += 1
-        return dst
+
+    def _graph_info(self, n: int, total: int, m: int, sort: bool) -> LoRABatchInfo:
+        """The info over graph mode's static general buffers (the permutation when sorted)."""
+        g = self._g
+        return self._info(g.wi, g.lens, g.indptr, g.perm if sort else None, n, self.max_tokens, total, g.work, m)
 
     def _info(self, wi, lens, indptr, perm, num_segments, max_seg_len, num_tokens, work, max_tiles) -> LoRABatchInfo:
         return LoRABatchInfo(seg_lens=lens, seg_indptr=indptr, weight_indices=wi, permutation=perm,
@@ -402,15 +410,14 @@ def _current_stream(b: BatchInfoBuilder):
 def _graph_build_native(b: BatchInfoBuilder, st: _Staging, seg_token_counts, slots, n: int, sort: bool):
     """Graph-mode build in one C++ call: fill, restore the permutation tail, copy to the static buffers on the
     current stream, record the ring event (the same record and info as _build_native + _copy)."""
-    g, S = b._g, b.max_segments
-    copy = (st.perm_dirty, b._dev_index, _raw_stream(b._dev_index), st.event.cuda_event, *g.copy_plan)
+    S = b.max_segments
+    copy = (st.perm_dirty, b._dev_index, _raw_stream(b._dev_index), st.event.cuda_event, *b._g.copy_plan)
     res = _fill_record(seg_token_counts, slots, st.array, b._perm_target(st) if sort else st.array, b.num_slots,
                        b.max_tokens, sort, S, b._mt, b._dec_rows, TILE_M, copy)
-    b._next = (b._next + 1) % len(b._ring)
-    b.builds += 1
+    b._advance()
     if res[0] == 0:
         return b._decode_info(n)
     _, k, _, total, _, m, _ = res
     if sort:
         st.perm_dirty = total
-    return b._info(g.wi, g.lens, g.indptr, g.perm if sort else None, k, b.max_tokens, total, g.work, m)
+    return b._graph_info(k, total, m, sort)
