@@ -21,9 +21,8 @@ import torch
 from lora_kernels.backends.triton import plan as _plan
 from lora_kernels.backends.triton.fused import _fused_kernel
 from lora_kernels.backends.triton.kernels import _expand_kernel, _reduce_kernel, _shrink_kernel
-from lora_kernels.backends.triton.launch import launch
+from lora_kernels.backends.triton.launch import _raw_stream, launch
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _sync: dict = {}  # (device, stream, size) -> the fused kernel's tile counters, zero between launches
 
 __all__ = ["BACKEND"]
@@ -79,7 +78,7 @@ def _fused_step(sp, x_shape, NR, R, slice_offsets, dtype, has_perm, max_tiles, d
 @dataclass(frozen=True)
 class _Recipe:
     """An op's launches for one argument signature, and the fp32 workspaces they need (split-K partials ws,
-    reduced v). Cached in plan's cache (cleared with it): a call then costs its allocations and launches."""
+    reduced v). Cached with the plans (plan.cached): a call then costs its allocations and launches."""
     mode: str  # shrink: direct | reduce; expand: direct; apply: fused | two | reduce
     steps: tuple
     ws: tuple | None
@@ -114,16 +113,6 @@ def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, fused: bool) -> _Recip
                                                 mt, dev)), ws, None)
 
 
-def _cached(key, make) -> _Recipe:
-    r = _plan._cache.get(key)
-    if r is None:
-        if len(_plan._cache) >= _RECIPES_MAX:  # eager prefill sees many row counts: bounded, rebuilt on demand
-            _plan.clear_cache()
-        r = _plan._cache[key] = make()
-    return r
-
-
-_RECIPES_MAX = 4096
 
 
 class TritonBackend:
@@ -138,7 +127,7 @@ class TritonBackend:
         work, perm = _work(info)
         key = ("shrink", x.shape, x.dtype, lora_a.shape, num_slices, out.dtype, x.device, info.max_tiles,
                perm is not work)
-        r = _cached(key, lambda: _shrink_recipe(x, lora_a, info, num_slices, out.dtype))
+        r = _plan.cached(key, lambda: _shrink_recipe(x, lora_a, info, num_slices, out.dtype))
         if r.mode == "direct":
             r.steps[0](x, lora_a, out, work, info.lora_ranks, perm)
             return
@@ -150,7 +139,7 @@ class TritonBackend:
         work, perm = _work(info)
         key = ("expand", v.shape, v.dtype, lora_b.shape, slice_offsets, out.dtype, v.device, info.max_tiles,
                perm is not work)
-        r = _cached(key, lambda: _Recipe("direct", (_expand_step(
+        r = _plan.cached(key, lambda: _Recipe("direct", (_expand_step(
             out.shape[0], lora_b.shape[2], slice_offsets, v.dtype, out.dtype, perm is not work, 1, info.max_tiles,
             out.device),), None, None))
         r.steps[0](v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
@@ -160,7 +149,7 @@ class TritonBackend:
         fused = x.shape[0] <= _plan.fused_rows()
         key = ("apply", x.shape, x.dtype, lora_a.shape, lora_b.shape[2], slice_offsets, x.device, info.max_tiles,
                perm is not work, fused)
-        r = _cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, fused))
+        r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, fused))
         ranks, ws = info.lora_ranks, torch.empty(r.ws, dtype=torch.float32, device=x.device)
         if r.mode == "fused":
             r.steps[0](x, lora_a, lora_b, base_out, ws, _sync_counters(info.max_tiles, x.device), work, ranks,

@@ -28,6 +28,19 @@ def clear_cache() -> None:
     _cache.clear()
 
 
+_CACHE_MAX = 4096  # plans and launch recipes: an engine has a few shapes, eager prefill many row counts
+
+
+def cached(key, make):
+    """_cache[key], made by make() on a miss; the cache is emptied (and refilled on demand) when full."""
+    value = _cache.get(key)
+    if value is None:
+        if len(_cache) >= _CACHE_MAX:
+            _cache.clear()
+        value = _cache[key] = make()
+    return value
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -78,10 +91,11 @@ class ShrinkPlan:
 
 def shrink_plan(in_dim: int, num_slices: int, max_rank: int, dtype: torch.dtype, has_perm: bool,
                 device: torch.device) -> ShrinkPlan:
-    key = ("s", in_dim, num_slices, max_rank, dtype, has_perm, _dev_key(device))
-    plan = _cache.get(key)
-    if plan is not None:
-        return plan
+    return cached(("s", in_dim, num_slices, max_rank, dtype, has_perm, _dev_key(device)),
+                  lambda: _make_shrink_plan(in_dim, num_slices, max_rank, dtype, has_perm, device))
+
+
+def _make_shrink_plan(in_dim, num_slices, max_rank, dtype, has_perm, device) -> ShrinkPlan:
     c = TABLE["shrink"]
     nr = num_slices * max_rank
     bn = max(16, min(_pow2(nr), c["block_n"]))
@@ -98,9 +112,7 @@ def shrink_plan(in_dim: int, num_slices: int, max_rank: int, dtype: torch.dtype,
                      num_warps=r["num_warps"])
     if pdl:
         kw["launch_pdl"] = reduce_kw["launch_pdl"] = True
-    plan = ShrinkPlan(split, k_chunk, _cdiv(nr, bn), kw, reduce_kw, _cdiv(nr, rbn), c["ctas_per_sm"])
-    _cache[key] = plan
-    return plan
+    return ShrinkPlan(split, k_chunk, _cdiv(nr, bn), kw, reduce_kw, _cdiv(nr, rbn), c["ctas_per_sm"])
 
 
 @dataclass(frozen=True)
@@ -114,10 +126,11 @@ class ExpandPlan:
 
 def expand_plan(slice_offsets: tuple, max_rank: int, dtype: torch.dtype, has_perm: bool, n_split: int,
                 device: torch.device) -> ExpandPlan:
-    key = ("e", slice_offsets, max_rank, dtype, has_perm, n_split, _dev_key(device))
-    plan = _cache.get(key)
-    if plan is not None:
-        return plan
+    return cached(("e", slice_offsets, max_rank, dtype, has_perm, n_split, _dev_key(device)),
+                  lambda: _make_expand_plan(slice_offsets, max_rank, dtype, has_perm, n_split, device))
+
+
+def _make_expand_plan(slice_offsets, max_rank, dtype, has_perm, n_split, device) -> ExpandPlan:
     c = TABLE["expand"]
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     br = max(16, _pow2(max_rank))  # the whole rank in one dot: v is loaded once per slice of a tile
@@ -133,9 +146,7 @@ def expand_plan(slice_offsets: tuple, max_rank: int, dtype: torch.dtype, has_per
               num_stages=c["num_stages"])
     if kw["PDL"]:
         kw["launch_pdl"] = True
-    plan = ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
-    _cache[key] = plan
-    return plan
+    return ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
 
 
 @dataclass(frozen=True)
@@ -146,18 +157,14 @@ class FusedPlan:
 
 
 def fused_plan(sp: ShrinkPlan, ep: ExpandPlan) -> FusedPlan:
-    key = ("f", id(sp), id(ep))
-    plan = _cache.get(key)
-    if plan is None:
-        s, e = sp.kw, ep.kw
-        kw = dict(HAS_PERM=s["HAS_PERM"], SPLIT=sp.split, S_TILES=sp.n_tiles, E_TILES=ep.n_tiles, SLICES=e["SLICES"],
-                  BLOCK_M=TILE_M, BLOCK_NS=s["BLOCK_N"], BLOCK_K=s["BLOCK_K"], BLOCK_NE=e["BLOCK_N"],
-                  BLOCK_R=e["BLOCK_R"], DOT_PREC=s["DOT_PREC"], PDL=s["PDL"], num_warps=e["num_warps"],
-                  num_stages=s["num_stages"])
-        if kw["PDL"]:
-            kw["launch_pdl"] = True
-        plan = _cache[key] = FusedPlan(kw, max(sp.n_tiles * sp.split, ep.n_tiles))
-    return plan
+    s, e = sp.kw, ep.kw
+    kw = dict(HAS_PERM=s["HAS_PERM"], SPLIT=sp.split, S_TILES=sp.n_tiles, E_TILES=ep.n_tiles, SLICES=e["SLICES"],
+              BLOCK_M=TILE_M, BLOCK_NS=s["BLOCK_N"], BLOCK_K=s["BLOCK_K"], BLOCK_NE=e["BLOCK_N"], BLOCK_R=e["BLOCK_R"],
+              DOT_PREC=s["DOT_PREC"], PDL=s["PDL"], num_warps=e["num_warps"], num_stages=s["num_stages"])
+    if kw["PDL"]:
+        kw["launch_pdl"] = True
+    # Keyed by its constexprs (one compiled-launcher cache per kernel variant), not by the plans' identities.
+    return cached(("f", *sorted(kw.items())), lambda: FusedPlan(kw, max(sp.n_tiles * sp.split, ep.n_tiles)))
 
 
 def fused_rows() -> int:
