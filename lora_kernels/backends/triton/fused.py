@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _gdc
 
-from lora_kernels.backends.triton.kernels import (_chunk, _expand_col, _expand_head, _load_col, _rank, _rows,
-                                                  _shrink_dot, _slice_span, _sum_splits, _tile)
+from lora_kernels.backends.triton.kernels import (_chunk, _expand_head, _expand_tile, _rank, _rows, _shrink_dot,
+                                                  _tile)
 
 
 @triton.jit
@@ -38,34 +38,6 @@ def _shrink_item(x_ptr, a_ptr, ws_ptr, rows, row_mask, slot64, rank, ks, ct, K, 
                       K, NR, BLOCK_K, DOT_PREC, PDL)
     tl.store(ws_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :], acc,
              mask=row_mask[:, None] & live[None, :])
-
-
-@triton.jit
-def _expand_tile(ws_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT,
-                 num_rows, off1, off2, off3, t1, t2, t3, SPLIT: tl.constexpr, N_TILES: tl.constexpr,
-                 SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
-                 PDL: tl.constexpr):
-    """Column tiles [c0, c1) of tile t (as _expand_kernel). The first column tile of each slice loads its B block
-    and base rows before the wait for the tile's partials (`need` arrivals), so those loads overlap it."""
-    j = tl.arange(0, BLOCK_R)
-    j_mask = j < rank
-    b_slot = b_ptr + slot64 * OUT * R
-    for i in tl.static_range(SLICES):
-        ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
-        if a < b:
-            n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = n < hi
-            bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, PDL)
-            while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < need:  # returns at once after the first slice
-                pass
-            vt = _sum_splits(ws_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT, ".cg")
-            vt = vt.to(b_ptr.dtype.element_ty)
-            _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
-            for ct in range(a + 1, b):
-                n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_mask = n < hi
-                bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, False)
-                _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["MT", "num_rows"])
@@ -95,7 +67,7 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
         if rank > 0:
             _expand_tile(ws_ptr, sync_ptr, t, S_TILES * SPLIT, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale,
                          c0, c1, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3, SPLIT, E_TILES, SLICES, BLOCK_NE,
-                         BLOCK_R, DOT_PREC, PDL)
+                         BLOCK_R, DOT_PREC, PDL, True)
             if tl.atomic_add(sync_ptr + MT + t, c1 - c0, sem="acq_rel") + (c1 - c0) == E_TILES:
                 tl.atomic_xchg(sync_ptr + t, 0)  # the tile's last consumer: ready for the next launch
                 tl.atomic_xchg(sync_ptr + MT + t, 0)

@@ -203,6 +203,39 @@ def _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DO
              (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _expand_tile(v_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT,
+                 num_rows, off1, off2, off3, t1, t2, t3, SPLIT: tl.constexpr, N_TILES: tl.constexpr,
+                 SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
+                 PDL: tl.constexpr, WAIT: tl.constexpr):
+    """Column tiles [c0, c1) of tile t: out[row, n] += scale * sum_{j<rank} v[row, i*R + j] * B[slot, n, j], v the
+    sum of SPLIT partials, loaded once per slice. WAIT (the fused kernel): v's partials are written by other
+    programs of this launch; the first column tile of each slice loads its B block and base rows, then waits
+    until sync_ptr[t] counts `need` arrivals, and v is read past L1. Both kernels compute with this code."""
+    j = tl.arange(0, BLOCK_R)
+    j_mask = j < rank
+    b_slot = b_ptr + slot64 * OUT * R
+    for i in tl.static_range(SLICES):
+        ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
+        if a < b:
+            n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = n < hi
+            bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, PDL)
+            if WAIT:
+                while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < need:  # at once after the first slice
+                    pass
+                vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT, ".cg")
+            else:
+                vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
+            vt = vt.to(b_ptr.dtype.element_ty)
+            _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
+            for ct in range(a + 1, b):
+                n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = n < hi
+                bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, False)
+                _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
+
+
 @triton.jit(do_not_specialize=["MT", "num_rows"])
 def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                    MT, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3,
@@ -225,17 +258,7 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
         rank, slot64, rows, row_mask, scale, c0, c1 = _expand_head(work, t, MT, start, stop, lora_ranks, scalings,
                                                                    perm_ptr, N_TILES, BLOCK_M, HAS_PERM)
         if rank > 0:
-            j = tl.arange(0, BLOCK_R)
-            j_mask = j < rank
-            b_slot = b_ptr + slot64 * OUT * R
-            for i in tl.static_range(SLICES):
-                ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
-                if a < b:
-                    vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
-                    vt = vt.to(b_ptr.dtype.element_ty)
-                    for ct in range(a, b):
-                        n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
-                        n_mask = n < hi
-                        bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT, False)
-                        _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
+            _expand_tile(v_ptr, work, t, 0, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT,
+                         num_rows, off1, off2, off3, t1, t2, t3, SPLIT, N_TILES, SLICES, BLOCK_N, BLOCK_R, DOT_PREC,
+                         False, False)
         t += 1
