@@ -128,11 +128,7 @@ class Module:
             return [lambda s=s: f(*s[:4]) for s in self.sets]
         backend, order = variant.split()
         info = self.infos[order]
-        if backend == "triton-fused":  # Triton with the one-launch decode path on, whatever the table says
-            return [lambda s=s: fused_on(lambda: lk.apply_lora(s[0], s[1], s[2], s[3], info, self.offsets,
-                                                              backend="triton")) for s in self.sets]
-        return [lambda s=s: lk.apply_lora(s[0], s[1], s[2], s[3], info, self.offsets, backend=backend)
-                for s in self.sets]
+        return [lambda s=s: apply(backend, s[0], s[1], s[2], s[3], info, self.offsets) for s in self.sets]
 
     def _loop(self, x, out, a, b):
         R, offs = b.shape[2], self.offsets
@@ -234,7 +230,7 @@ def run_bench(args):
         if case.kind == "decode" and case.batch == 1 and case.pop == "distinct":
             host_rows += host_overhead(case, mods, [b for b in backends if b in ("triton", "triton-fused", "cuda")])
         if "sorted" in infos:
-            inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", "cuda", "triton-fused")])
+            inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", "triton-fused", "cuda")])
         del mods
         torch.cuda.empty_cache()
     print()
