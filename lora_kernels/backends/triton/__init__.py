@@ -21,7 +21,8 @@ import torch
 from lora_kernels.backends.triton import plan as _plan
 from lora_kernels.backends.triton.fused import _fused_kernel
 from lora_kernels.backends.triton.kernels import _expand_kernel, _reduce_kernel, _shrink_kernel
-from lora_kernels.backends.triton.launch import _raw_stream, launch
+from lora_kernels.backends.triton.launch import launch
+from lora_kernels.batch_info import _raw_stream
 
 _sync: dict = {}  # (device, stream, size) -> the fused kernel's tile counters, zero between launches
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 
-import torch
+from lora_kernels.batch_info import _raw_stream
 
 FAST = (os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
         and os.environ.get("LORA_KERNELS_TRITON_FAST_LAUNCH", "1") != "0")
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def launch(fn, runs: dict, tag, grid: tuple, tensors: tuple, scalars: tuple, kw: dict) -> None:
