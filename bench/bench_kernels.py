@@ -147,12 +147,19 @@ class Module:
         out[:T].add_((delta.float() * self.row_scale[:, None]).to(out.dtype))
 
 
-def fused_on(fn):
-    """fn() with the Triton table's one-launch path on for every batch size (the choice is made per call, so a
-    graph captured through this keeps it)."""
+PATH_VARIANTS = ("triton-fused", "triton-tall")  # Triton with one path forced on for every batch size
+
+
+def path_on(variant: str, fn):
+    """fn() with the Triton table switched to `variant`'s path (triton-fused: the one-launch path; triton-tall: the
+    tall-tile path) for every batch size; the choice is made per call, so a graph captured through this keeps it."""
     plan = plan_module()
     table = plan.TABLE
-    plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 1 << 30}}
+    if variant == "triton-fused":
+        plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 1 << 30}}
+    else:
+        plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 0},
+                      "tall": {**plan.TALL_DEFAULT, **table.get("tall", {}), "min_rows": 1}}
     try:
         return fn()
     finally:
@@ -228,9 +235,9 @@ def run_bench(args):
             if " " in v:
                 best.setdefault(v.split()[0], []).append(med)
         if case.kind == "decode" and case.batch == 1 and case.pop == "distinct":
-            host_rows += host_overhead(case, mods, [b for b in backends if b in ("triton", "triton-fused", "cuda")])
+            host_rows += host_overhead(case, mods, [b for b in backends if b in ("triton", *PATH_VARIANTS, "cuda")])
         if "sorted" in infos:
-            inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", "triton-fused", "cuda")])
+            inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", *PATH_VARIANTS, "cuda")])
         del mods
         torch.cuda.empty_cache()
     print()
@@ -285,7 +292,7 @@ def invariance(case, mods, backends) -> list[dict]:
                 res[order] = o
             row = {"case": case.name, "backend": b, "module": m,
                    "bit_equal": bool(torch.equal(res["sorted"], res["unsorted"]))}
-            if b == "triton-fused":  # and the same bits as the two launches
+            if b in PATH_VARIANTS:  # and the same bits as the default path
                 o = base.clone()
                 apply("triton", x, o, a, bw, mod.infos["sorted"], mod.offsets)
                 row["bit_equal"] = row["bit_equal"] and bool(torch.equal(o, res["sorted"]))
@@ -294,19 +301,19 @@ def invariance(case, mods, backends) -> list[dict]:
 
 
 def apply(backend: str, x, out, a, b, info, offsets) -> None:
-    """apply_lora through `backend`, where "triton-fused" is Triton with the one-launch path on."""
-    if backend == "triton-fused":
-        fused_on(lambda: lk.apply_lora(x, out, a, b, info, offsets, backend="triton"))
+    """apply_lora through `backend`, where a PATH_VARIANTS name is Triton with that path on."""
+    if backend in PATH_VARIANTS:
+        path_on(backend, lambda: lk.apply_lora(x, out, a, b, info, offsets, backend="triton"))
     else:
         lk.apply_lora(x, out, a, b, info, offsets, backend=backend)
 
 
 def host_overhead(case, mods, backends):
-    """Eager host µs per apply_lora call and GPU µs per eager layer; triton-fused is timed with the table's fused
-    path switched on around the whole measurement (not per call, which would add the switch to the host time)."""
+    """Eager host µs per apply_lora call and GPU µs per eager layer; a PATH_VARIANTS name is timed with its path
+    switched on around the whole measurement (not per call, which would add the switch to the host time)."""
     out = []
     for b in backends:
-        fns = [mods[m].fns(f"{'triton' if b == 'triton-fused' else b} unsorted")[0] for m in MODULES]
+        fns = [mods[m].fns(f"{'triton' if b in PATH_VARIANTS else b} unsorted")[0] for m in MODULES]
 
         def layer():
             for f in fns:
@@ -315,7 +322,7 @@ def host_overhead(case, mods, backends):
         def measure():
             return {"host_us_per_call": common.time_host_us(fns[0], warmup=20, reps=300)["median_us"],
                     "eager_layer_us": common.time_cuda_us(layer, warmup=5, reps=30)}
-        out.append({"case": case.name, "backend": b, **(fused_on(measure) if b == "triton-fused" else measure())})
+        out.append({"case": case.name, "backend": b, **(path_on(b, measure) if b in PATH_VARIANTS else measure())})
     return out
 
 
@@ -324,8 +331,10 @@ def host_overhead(case, mods, backends):
 def tune_candidates() -> list[dict]:
     """Variations of the current table, one knob at a time (the first is the table itself)."""
     plan = plan_module()
-    base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, **plan.TABLE}.items()}
+    base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, "tall": plan.TALL_DEFAULT, **plan.TABLE}.items()}
     knobs = [("fused", {"max_rows": 64}), ("fused", {"max_rows": 256}), ("fused", {"max_rows": 1024}),
+             ("tall", {"min_rows": 1024}), ("tall", {"min_rows": 256}), ("tall", {"min_rows": 1024, "num_warps": 8}),
+             ("tall", {"min_rows": 1024, "block_n": 128}), ("tall", {"min_rows": 1024, "ctas_per_sm": 4}),
              ("shrink", {"ctas_per_sm": 2}), ("shrink", {"ctas_per_sm": 8}), ("shrink", {"k_chunk_min": 256}),
              ("shrink", {"k_chunk_min": 1024}), ("shrink", {"num_stages": 4}), ("shrink", {"block_k": 64}),
              ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches
@@ -340,7 +349,9 @@ def tune_candidates() -> list[dict]:
 
 
 TUNE_CASES = [Case(16, "decode", 1, "distinct", 1), Case(16, "decode", 64, "uniform", 32),
-              Case(64, "decode", 256, "uniform", 32), Case(16, "prefill", 8, "distinct", 8)]
+              Case(64, "decode", 256, "uniform", 32), Case(16, "prefill", 8, "distinct", 8),
+              Case(64, "prefill", 8, "distinct", 8)]
+PATH_KEYS = ("fused", "tall")  # table entries that choose among paths computing the same bits
 
 
 def tune_outputs(built) -> list[torch.Tensor]:
@@ -356,12 +367,43 @@ def tune_outputs(built) -> list[torch.Tensor]:
 
 
 def tune_close(got, truth, cand: dict, base: dict) -> bool:
-    """A candidate's (output, LoRA delta) against the current table's: bit-equal where only the fused path
-    changed (it must give the same bits), else the deltas within bf16 tolerance (other blocks may split K
-    differently)."""
-    if all(cand[k] == base[k] for k in cand if k != "fused"):
+    """A candidate's (output, LoRA delta) against the current table's: bit-equal where only the path entries
+    changed (every path must give the same bits), else the deltas within bf16 tolerance (other blocks may split
+    K differently)."""
+    if all(cand[k] == base[k] for k in cand if k not in PATH_KEYS):
         return bool(torch.equal(got[0], truth[0]))
     return float((got[1] - truth[1]).norm() / truth[1].norm().clamp_min(1e-30)) <= 2e-2
+
+
+def tune_one(plan, built, cand: dict, base: dict, truth):
+    """(cand, layer µs per tune case), or None where the candidate fails or computes wrong results."""
+    plan.TABLE = cand
+    plan.clear_cache()
+    try:
+        if not all(tune_close(g, t, cand, base) for g, t in zip(tune_outputs(built), truth)):
+            print(f"# candidate gives wrong results, left out: {json.dumps(cand)}")
+            return None
+        ts = []
+        for (mods, infos), c in zip(built, TUNE_CASES):
+            order = next(iter(infos))
+            ts.append(sum(common.GraphTimer(m.fns(f"triton {order}"), inner=len(m.sets)).time_us(reps=20)
+                          for m in mods.values()))
+    except Exception as e:  # a candidate that does not compile or launch is reported and left out
+        print(f"# candidate failed ({type(e).__name__}: {str(e)[:200]}): {json.dumps(cand)}")
+        return None
+    return cand, ts
+
+
+def tune_combined(results) -> dict | None:
+    """The base table with, for each entry, the change of the candidate that beat the base by the most total
+    time (one entry changed per candidate); None when fewer than two entries improved."""
+    base, base_t = results[0][0], sum(results[0][1])
+    best = {}
+    for cand, ts in results[1:]:
+        key = next(k for k in cand if cand[k] != base[k])
+        if sum(ts) < base_t and sum(ts) < best.get(key, (None, base_t))[1]:
+            best[key] = (cand[key], sum(ts))
+    return {**base, **{k: v for k, (v, _) in best.items()}} if len(best) >= 2 else None
 
 
 def plan_module():
@@ -375,26 +417,12 @@ def run_tune(args):
     the mean ratio to the best per case; the best table is printed, and written with --write-tables."""
     plan = plan_module()
     built = [build_case(c, orders=("sorted",)) for c in TUNE_CASES]
-    results, truth = [], None
     cands = tune_candidates()
-    for cand in cands:
-        plan.TABLE = cand
-        plan.clear_cache()
-        ts = []
-        try:
-            got = tune_outputs(built)
-            truth = truth or got  # the first candidate is the current table
-            if not all(tune_close(g, t, cand, cands[0]) for g, t in zip(got, truth)):
-                print(f"# candidate gives wrong results, left out: {json.dumps(cand)}")
-                continue
-            for (mods, infos), c in zip(built, TUNE_CASES):
-                order = next(iter(infos))
-                ts.append(sum(common.GraphTimer(m.fns(f"triton {order}"), inner=len(m.sets)).time_us(reps=20)
-                              for m in mods.values()))
-        except Exception as e:  # a candidate that does not compile or launch is reported and left out
-            print(f"# candidate failed ({type(e).__name__}: {str(e)[:200]}): {json.dumps(cand)}")
-            continue
-        results.append((cand, ts))
+    truth = tune_outputs(built)  # the first candidate is the current table
+    results = [r for r in (tune_one(plan, built, cand, cands[0], truth) for cand in cands) if r]
+    combined = tune_combined(results)
+    if combined is not None:
+        results += [r for r in [tune_one(plan, built, combined, cands[0], truth)] if r]
     mins = [min(r[1][i] for r in results) for i in range(len(TUNE_CASES))]
     rows = []
     for cand, ts in results:
@@ -452,7 +480,7 @@ def tune_auto(args) -> dict:
 def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cuda,loop,bmm",
-                   help="comma list of triton,cuda,loop,bmm; triton-fused: Triton with the one-launch decode path on")
+                   help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall: Triton with the one-launch decode / the tall-tile path on")
     p.add_argument("--cases", default="", help="comma list of substrings of case names to run (default: all)")
     p.add_argument("--tune", action="store_true", help="sweep the Triton block table instead of benchmarking")
     p.add_argument("--write-tables", action="store_true", help="with --tune: write lora_kernels/backends/tables.py")

@@ -2,7 +2,7 @@
 
     smoke  every kernel path once on small shapes, checked against reference.py
     ncu [BACKEND]  one decode apply (batch 64, distinct adapters, r64, gate_up) and one prefill apply
-           (8 x 1024 rows, r64, gate_up), for Nsight Compute; BACKEND cuda (default), triton or triton-fused
+           (8 x 1024 rows, r64, gate_up), for Nsight Compute; BACKEND cuda (default), triton, triton-fused or triton-tall
     pdl    µs per module and per layer in graph replay at decode batch 1 (qkv, o, gate_up, down);
            run once with LORA_KERNELS_PDL=0 and once without to see what programmatic launch buys
 """
@@ -76,12 +76,15 @@ def _module_case(rng, name, rank, counts, slots, num_slots):
 
 
 def ncu(backend="cuda"):
-    """backend: cuda, triton, or triton-fused (Triton with the one-launch path on); for Triton, profile with
-    `ncu -k regex:_kernel` (its kernels are _shrink_kernel, _expand_kernel, _reduce_kernel, _fused_kernel)."""
+    """backend: cuda, triton, triton-fused or triton-tall (Triton with the one-launch / tall-tile path on); for
+    Triton, profile with `ncu -k regex:_kernel` (_shrink_kernel, _expand_kernel, _reduce_kernel, _fused_kernel,
+    _tall_shrink_kernel, _tall_expand_kernel)."""
     rng = np.random.default_rng(1)
-    if backend == "triton-fused":
+    if backend in ("triton-fused", "triton-tall"):
         from lora_kernels.backends.triton import plan
-        plan.TABLE = {**plan.TABLE, "fused": {**plan.FUSED_DEFAULT, "max_rows": 1 << 30}}
+        key, default, on = (("fused", plan.FUSED_DEFAULT, {"max_rows": 1 << 30}) if backend == "triton-fused"
+                            else ("tall", plan.TALL_DEFAULT, {"min_rows": 1}))
+        plan.TABLE = {**plan.TABLE, key: {**default, **on}}
     for counts, slots, num_slots in (([1] * 64, list(range(64)), 64), ([1024] * 8, list(range(8)), 8)):
         x, out, a, b, info, offs = _module_case(rng, "gate_up", 64, counts, slots, num_slots)
         lk.apply_lora(x, out, a, b, info, offs, backend=backend.split("-")[0])

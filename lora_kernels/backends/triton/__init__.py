@@ -6,7 +6,9 @@
     apply_lora    shrink into the workspace, then the expand adds the partials in split order while it loads
                   v (no reduction kernel, no atomics); from `plan.reduce_first` rows on the partials are
                   reduced once first, so that no column tile re-reads them; up to `plan.fused_rows()` rows,
-                  both in one launch (fused.py), with the same bits
+                  both in one launch (fused.py), with the same bits; from `plan.tall_rows()` rows on, tall
+                  tiles (tall.py): the shrink sums its K splits in registers into v, the expand reads v, again
+                  with the same bits
 
 Every kernel walks the batch's work list (`LoRABatchInfo.work`) with a persistent grid; plans come from
 shapes only (plan.py), launches from cached compiled kernels (launch.py).
@@ -21,6 +23,7 @@ import torch
 from lora_kernels.backends.triton import plan as _plan
 from lora_kernels.backends.triton.fused import _fused_kernel
 from lora_kernels.backends.triton.kernels import _expand_kernel, _reduce_kernel, _shrink_kernel
+from lora_kernels.backends.triton.tall import _tall_expand_kernel, _tall_shrink_kernel
 from lora_kernels.backends.triton.launch import launch
 from lora_kernels.batch_info import _raw_stream
 
@@ -76,11 +79,22 @@ def _fused_step(sp, x_shape, NR, R, slice_offsets, dtype, has_perm, max_tiles, d
                  fp.kw)
 
 
+def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, has_perm, max_tiles, device) -> tuple:
+    """The tall-tile shrink (into v of v_dtype) and expand (adds to out) launches."""
+    ep = _plan.expand_plan(slice_offsets, R, dtype, has_perm, 1, device)
+    tp = _plan.tall_plan(sp, ep, NR)
+    shrink = _Step(_tall_shrink_kernel, tp.runs, ("tall-s", v_dtype), _plan.grid(max_tiles * tp.s_tiles, tp.ctas, device),
+                   (max_tiles, x_shape[1], NR // len(slice_offsets[1:]), NR, sp.k_chunk), tp.shrink_kw)
+    expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype), _plan.grid(max_tiles * ep.n_tiles, tp.ctas, device),
+                   (max_tiles, R, NR, slice_offsets[-1], *ep.scalars), tp.expand_kw)
+    return shrink, expand
+
+
 @dataclass(frozen=True)
 class _Recipe:
     """An op's launches for one argument signature, and the fp32 workspaces they need (split-K partials ws,
     reduced v). Cached with the plans (plan.cached): a call then costs its allocations and launches."""
-    mode: str  # shrink: direct | reduce; expand: direct; apply: fused | two | reduce
+    mode: str  # shrink: direct | reduce; expand: direct; apply: fused | two | reduce | tall
     steps: tuple
     ws: tuple | None
     v: tuple | None
@@ -98,13 +112,16 @@ def _sync_counters(max_tiles: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, fused: bool) -> _Recipe:
+def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: str) -> _Recipe:
     S, R, NR, rows, dev = len(slice_offsets) - 1, lora_b.shape[2], lora_a.shape[1], x.shape[0], x.device
     has_perm, mt = info.permutation is not None, info.max_tiles
     sp = _plan.shrink_plan(x.shape[1], S, NR // S, x.dtype, has_perm, dev)
     ws = (sp.split, rows, NR)
-    if fused:
+    if path == "fused":
         return _Recipe("fused", (_fused_step(sp, x.shape, NR, R, slice_offsets, x.dtype, has_perm, mt, dev),), ws, None)
+    if path == "tall":
+        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, has_perm, mt,
+                                           dev), None, (rows, NR))
     shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
     if sp.split > 1 and _plan.reduce_first(rows):
         return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev),
@@ -147,11 +164,17 @@ class TritonBackend:
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
         work, perm = _work(info)
-        fused = x.shape[0] <= _plan.fused_rows()
+        path = _plan.apply_path(x.shape[0])
         key = ("apply", x.shape, x.dtype, lora_a.shape, lora_b.shape[2], slice_offsets, x.device, info.max_tiles,
-               perm is not work, fused)
-        r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, fused))
-        ranks, ws = info.lora_ranks, torch.empty(r.ws, dtype=torch.float32, device=x.device)
+               perm is not work, path)
+        r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path))
+        ranks = info.lora_ranks
+        if r.mode == "tall":
+            v = torch.empty(r.v, dtype=torch.float32, device=x.device)
+            r.steps[0](x, lora_a, v, work, ranks, perm)
+            r.steps[1](v, lora_b, base_out, work, ranks, info.scalings, perm)
+            return
+        ws = torch.empty(r.ws, dtype=torch.float32, device=x.device)
         if r.mode == "fused":
             r.steps[0](x, lora_a, lora_b, base_out, ws, _sync_counters(info.max_tiles, x.device), work, ranks,
                        info.scalings, perm)

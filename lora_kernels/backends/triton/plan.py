@@ -20,6 +20,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 TABLE = dict(tables.TRITON_BLOCKS)  # may be replaced for experiments, followed by clear_cache()
 # The one-launch decode path (fused.py) until a --tune run measures it into the table: off (max_rows 0).
 FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
+# The tall-tile path for long segments (tall.py) until a --tune run measures it into the table: off (min_rows 0).
+TALL_DEFAULT = {"min_rows": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2}
 _cache: dict = {}
 _sms: dict = {}
 
@@ -165,6 +167,44 @@ def fused_plan(sp: ShrinkPlan, ep: ExpandPlan) -> FusedPlan:
         kw["launch_pdl"] = True
     # Keyed by its constexprs (one compiled-launcher cache per kernel variant), not by the plans' identities.
     return cached(("f", *sorted(kw.items())), lambda: FusedPlan(kw, max(sp.n_tiles * sp.split, ep.n_tiles)))
+
+
+@dataclass(frozen=True)
+class TallPlan:
+    shrink_kw: dict  # the shrink's BLOCK_K, k_chunk and split (the same chains), the tall table's column tiles
+    expand_kw: dict
+    s_tiles: int
+    ctas: int
+    runs: dict = field(default_factory=dict)
+
+
+def tall_plan(sp: ShrinkPlan, ep: ExpandPlan, nr: int) -> TallPlan:
+    """The tall-tile kernels' constexprs: every reduction as in sp / ep (bits), the shrink's column tiles (nr = S*R
+    columns) from the tall table; the expand's column tiles are ep's (its slice scalars depend on them)."""
+    c = {**TALL_DEFAULT, **TABLE.get("tall", {})}
+    s, e = sp.kw, ep.kw
+    bn = max(16, min(s["BLOCK_N"], c["block_n"]))
+    common = dict(HAS_PERM=s["HAS_PERM"], BLOCK_M=TILE_M, DOT_PREC=s["DOT_PREC"], PDL=s["PDL"],
+                  num_warps=c["num_warps"], num_stages=s["num_stages"])
+    skw = dict(common, SPLIT=sp.split, N_TILES=_cdiv(nr, bn), BLOCK_N=bn, BLOCK_K=s["BLOCK_K"])
+    ekw = dict(common, N_TILES=e["N_TILES"], SLICES=e["SLICES"], BLOCK_N=e["BLOCK_N"], BLOCK_R=e["BLOCK_R"])
+    if s["PDL"]:
+        skw["launch_pdl"] = ekw["launch_pdl"] = True
+    return cached(("t", *sorted(skw.items()), *sorted(ekw.items())),
+                  lambda: TallPlan(skw, ekw, skw["N_TILES"], c["ctas_per_sm"]))
+
+
+def tall_rows() -> int:
+    """apply_lora takes the tall-tile path from this many rows of x on (0: never); same bits either way."""
+    return {**TALL_DEFAULT, **TABLE.get("tall", {})}["min_rows"]
+
+
+def apply_path(rows: int) -> str:
+    """apply_lora's launches for x of `rows` rows: "fused" (one launch), "tall" (tall tiles) or "split" (the
+    split-K shrink then the expand). Every path computes the same bits; the table picks the fastest."""
+    if rows <= fused_rows():
+        return "fused"
+    return "tall" if rows >= tall_rows() > 0 else "split"
 
 
 def fused_rows() -> int:
