@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lora_kernels as lk
-from cases import TOL, make_case, rel_err
+from cases import TOL, compile_for_sm90, make_case, rel_err
 from lora_kernels import backends
 from lora_kernels.backends.triton import plan
 from test_triton import SMALL_TABLE, RowLoop
@@ -76,3 +76,52 @@ def test_gpu_tall_bits_llama_prefill(monkeypatch, rank, shape):
     tall = _apply(monkeypatch, base, case, 1)
     assert torch.equal(tall, split)
     plan.clear_cache()
+
+
+_AOT = r'''
+import json
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lora_kernels.backends.triton import kernels, plan, tall
+out = []
+for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336)), (1, 64, 14336, (4096,))]:
+    sp = plan.shrink_plan(in_dim, S, R, torch.bfloat16, True, torch.device("cpu"))
+    offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
+    ep = plan.expand_plan(offs, R, torch.bfloat16, True, 1, torch.device("cpu"))
+    tp = plan.tall_plan(sp, ep, S * R)
+    jobs = ((tall._tall_shrink_kernel, tp.shrink_kw, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
+             ("MT", "K", "R", "NR", "k_chunk")),
+            (tall._tall_expand_kernel, tp.expand_kw, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
+             ("MT", "R", "NR", "OUT", "off1", "off2", "off3", "t1", "t2", "t3")),
+            (kernels._shrink_kernel, {**sp.kw, "PARTIAL": True}, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
+             ("MT", "K", "R", "NR", "num_rows", "k_chunk")))
+    for fn, kw, ptrs, ints in jobs:
+        kw = {**kw, "PDL": True}
+        nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
+        kw.pop("launch_pdl", None)
+        sig = {name: "*" + t for name, t in (q.split(":") for q in ptrs)}
+        sig.update({"work": "*i32", "lora_ranks": "*i32"})
+        if fn is tall._tall_expand_kernel:
+            sig["scalings"] = "*fp32"
+        sig["perm_ptr"] = "*i32"
+        sig.update({k: "i32" for k in ints})
+        sig.update({k: "constexpr" for k in kw})
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": nw, "num_stages": ns})
+        ptx = k.asm["ptx"]
+        out.append({"S": S, "R": R, "kernel": fn.fn.__name__, "shared": k.metadata.shared,
+                    "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx})
+print(json.dumps(out))
+'''
+
+
+def test_tall_kernels_compile_for_sm90_with_the_16_row_instruction():
+    """The tall kernels compile for sm90 (cubin, ptxas included) at the Llama-3-8B shapes, bf16, PDL; like the
+    16-row kernels their dots are mma.sync (the same instruction per row is what keeps the bits)."""
+    pytest.importorskip("triton.backends.nvidia")
+    ks = compile_for_sm90(_AOT)
+    assert len(ks) == 9
+    for k in ks:
+        assert k["mma_sync"] and not k["wgmma"], k
+        assert 0 < k["shared"] <= 227 * 1024, k
