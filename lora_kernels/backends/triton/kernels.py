@@ -57,14 +57,20 @@ def _chunk(items):
 
 @triton.jit
 def _sum_splits(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride, SPLIT: tl.constexpr,
-                CACHE: tl.constexpr = ""):
+                PAST_L1: tl.constexpr):
     """sum_s ws[s, rows, cols] in fp32, added strictly in split order (the batch-invariant reduction).
-    CACHE ".cg" reads past L1, for partials that other SMs wrote during this kernel."""
+    PAST_L1: read with .cg (past L1), for partials that other SMs wrote during this kernel. (A flag, not a
+    cache-modifier string: Triton 3.6 does not pass a string constexpr's default to a called jit function.)"""
     ptrs = ws_ptr + rows[:, None] * row_stride + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    if PAST_L1:
+        acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0).to(tl.float32)
     return acc
 
 
@@ -145,7 +151,7 @@ def _reduce_kernel(ws_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, R, NR, num_r
         cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < NR
         live = col_mask & ((cols % R) < rank)
-        acc = _sum_splits(ws_ptr, rows, row_mask, cols, live, num_rows * NR, NR, SPLIT)
+        acc = _sum_splits(ws_ptr, rows, row_mask, cols, live, num_rows * NR, NR, SPLIT, False)
         tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
 
@@ -224,9 +230,9 @@ def _expand_tile(v_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot6
             if WAIT:
                 while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < need:  # at once after the first slice
                     pass
-                vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT, ".cg")
+                vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT, True)
             else:
-                vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT)
+                vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT, False)
             vt = vt.to(b_ptr.dtype.element_ty)
             _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
             for ct in range(a + 1, b):
