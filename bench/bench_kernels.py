@@ -147,19 +147,21 @@ class Module:
         out[:T].add_((delta.float() * self.row_scale[:, None]).to(out.dtype))
 
 
-PATH_VARIANTS = ("triton-fused", "triton-tall")  # Triton with one path forced on for every batch size
+PATH_VARIANTS = ("triton-fused", "triton-tall", "triton-tall4")  # Triton, one path forced on for every batch size
 
 
 def path_on(variant: str, fn):
     """fn() with the Triton table switched to `variant`'s path (triton-fused: the one-launch path; triton-tall: the
-    tall-tile path) for every batch size; the choice is made per call, so a graph captured through this keeps it."""
+    tall-tile path; triton-tall4: its four-dot form) for every batch size; the choice is made per call, so a graph
+    captured through this keeps it."""
     plan = plan_module()
     table = plan.TABLE
     if variant == "triton-fused":
         plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 1 << 30}}
     else:
         plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 0},
-                      "tall": {**plan.TALL_DEFAULT, **table.get("tall", {}), "min_rows": 1}}
+                      "tall": {**plan.TALL_DEFAULT, **table.get("tall", {}), "min_rows": 1,
+                               **({"one_dot": False} if variant == "triton-tall4" else {})}}
     try:
         return fn()
     finally:
@@ -335,6 +337,7 @@ def tune_candidates() -> list[dict]:
     knobs = [("fused", {"max_rows": 64}), ("fused", {"max_rows": 256}), ("fused", {"max_rows": 1024}),
              ("tall", {"min_rows": 1024}), ("tall", {"min_rows": 256}), ("tall", {"min_rows": 1024, "num_warps": 8}),
              ("tall", {"min_rows": 1024, "block_n": 128}), ("tall", {"min_rows": 1024, "ctas_per_sm": 4}),
+             ("tall", {"min_rows": 1024, "one_dot": False}),
              ("shrink", {"ctas_per_sm": 2}), ("shrink", {"ctas_per_sm": 8}), ("shrink", {"k_chunk_min": 256}),
              ("shrink", {"k_chunk_min": 1024}), ("shrink", {"num_stages": 4}), ("shrink", {"block_k": 64}),
              ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches
@@ -480,7 +483,7 @@ def tune_auto(args) -> dict:
 def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cuda,loop,bmm",
-                   help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall: Triton with the one-launch decode / the tall-tile path on")
+                   help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall / triton-tall4: Triton with the one-launch decode / the tall-tile path (four-dot form) on")
     p.add_argument("--cases", default="", help="comma list of substrings of case names to run (default: all)")
     p.add_argument("--tune", action="store_true", help="sweep the Triton block table instead of benchmarking")
     p.add_argument("--write-tables", action="store_true", help="with --tune: write lora_kernels/backends/tables.py")

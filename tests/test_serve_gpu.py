@@ -2,6 +2,7 @@
 check with the kernels' backends (reported; the torch backend must be identical)."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -46,12 +47,14 @@ def test_timed_layers_estimate_tracks_the_full_step(tmp_path):
     engine = sr.make_engine(cfg, sr.adapter_folders(cfg))
     try:
         sr.warm_up(cfg, engine)
-        times = {}
-        for k in (1, None):
-            engine.timed_layers = k
-            res = simulate(sr.make_trace(cfg, 4), sr.scheduler_config(cfg, "oracle"), engine)
-            times[k] = res.busy_s / res.steps
-        assert 0.65 < times[1] / times[None] < 1.35
+        runs = {1: [], None: []}
+        for _ in range(3):  # interleaved, median of 3: other processes on the GPU (xdist) shift single runs
+            for k in runs:
+                engine.timed_layers = k
+                res = simulate(sr.make_trace(cfg, 4), sr.scheduler_config(cfg, "oracle"), engine)
+                runs[k].append(res.busy_s / res.steps)
+        times = {k: statistics.median(v) for k, v in runs.items()}
+        assert 0.65 < times[1] / times[None] < 1.35, runs
     finally:
         engine.close()
         torch.cuda.synchronize()

@@ -62,16 +62,17 @@ def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tl.dot is wrong in the interpreter; GPU only")
+@pytest.mark.parametrize("one_dot", [True, False])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("shape", [(4096, (4096, 1024, 1024)), (14336, (4096,))])
-def test_gpu_tall_bits_llama_prefill(monkeypatch, rank, shape):
+def test_gpu_tall_bits_llama_prefill(monkeypatch, rank, shape, one_dot):
     """bf16 prefill-like batch (long segments and a few decode rows, sorted): the tall path's bits equal the
     split-K path's, which the batch-invariance tests tie to every other batch."""
     in_dim, widths = shape
     rng = np.random.default_rng(rank)
     case = make_case(rng, num_slots=8, max_rank=rank, ranks=[rank] * 8, slice_widths=widths, in_dim=in_dim,
                      seg_lens=(700, 1, 1, 333, 64, 1024, 5), dtype=torch.bfloat16, device="cuda", permute=True)
-    base = dict(plan.TABLE)
+    base = {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "one_dot": one_dot}}
     split = _apply(monkeypatch, base, case, 0)
     tall = _apply(monkeypatch, base, case, 1)
     assert torch.equal(tall, split)
@@ -90,10 +91,12 @@ for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (1
     offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
     ep = plan.expand_plan(offs, R, torch.bfloat16, True, 1, torch.device("cpu"))
     tp = plan.tall_plan(sp, ep, S * R)
-    jobs = ((tall._tall_shrink_kernel, tp.shrink_kw, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
+    jobs = [(fn, {**kw, "ONE_DOT": one}, ptrs, ints) for one in (False, True) for fn, kw, ptrs, ints in (
+            (tall._tall_shrink_kernel, tp.shrink_kw, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
              ("MT", "K", "R", "NR", "k_chunk")),
             (tall._tall_expand_kernel, tp.expand_kw, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
-             ("MT", "R", "NR", "OUT", "off1", "off2", "off3", "t1", "t2", "t3")),
+             ("MT", "R", "NR", "OUT", "off1", "off2", "off3", "t1", "t2", "t3")))]
+    jobs.append(
             (kernels._shrink_kernel, {**sp.kw, "PARTIAL": True}, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
              ("MT", "K", "R", "NR", "num_rows", "k_chunk")))
     for fn, kw, ptrs, ints in jobs:
@@ -110,18 +113,19 @@ for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (1
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": nw, "num_stages": ns})
         ptx = k.asm["ptx"]
-        out.append({"S": S, "R": R, "kernel": fn.fn.__name__, "shared": k.metadata.shared,
+        out.append({"S": S, "R": R, "kernel": fn.fn.__name__, "one_dot": kw.get("ONE_DOT"), "shared": k.metadata.shared,
                     "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx})
 print(json.dumps(out))
 '''
 
 
-def test_tall_kernels_compile_for_sm90_with_the_16_row_instruction():
-    """The tall kernels compile for sm90 (cubin, ptxas included) at the Llama-3-8B shapes, bf16, PDL; like the
-    16-row kernels their dots are mma.sync (the same instruction per row is what keeps the bits)."""
+def test_tall_kernels_compile_for_sm90():
+    """The tall kernels compile for sm90 (cubin, ptxas included) at the Llama-3-8B shapes, bf16, PDL. The four-dot
+    form uses mma.sync like the 16-row kernels; the one-dot form wgmma, whose per-row bits equal mma.sync's on
+    the H200 (scripts/triton_dot_bits.py; the GPU tests assert the bits)."""
     pytest.importorskip("triton.backends.nvidia")
     ks = compile_for_sm90(_AOT)
-    assert len(ks) == 9
+    assert len(ks) == 15
     for k in ks:
-        assert k["mma_sync"] and not k["wgmma"], k
+        assert k["wgmma"] if k["one_dot"] else (k["mma_sync"] and not k["wgmma"]), k
         assert 0 < k["shared"] <= 227 * 1024, k

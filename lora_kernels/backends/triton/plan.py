@@ -21,7 +21,10 @@ TABLE = dict(tables.TRITON_BLOCKS)  # may be replaced for experiments, followed 
 # The one-launch decode path (fused.py) until a --tune run measures it into the table: off (max_rows 0).
 FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # The tall-tile path for long segments (tall.py) until a --tune run measures it into the table: off (min_rows 0).
-TALL_DEFAULT = {"min_rows": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2}
+# one_dot: one 64-row dot per step (wgmma on sm90; its bits equal mma.sync's per row there, which
+# scripts/triton_dot_bits.py checks and the GPU tests assert) rather than four 16-row dots; the interpreter's
+# numpy dots differ by height, so it runs the four-dot form.
+TALL_DEFAULT = {"min_rows": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2, "one_dot": True}
 _cache: dict = {}
 _sms: dict = {}
 
@@ -185,7 +188,7 @@ def tall_plan(sp: ShrinkPlan, ep: ExpandPlan, nr: int) -> TallPlan:
     s, e = sp.kw, ep.kw
     bn = max(16, min(s["BLOCK_N"], c["block_n"]))
     common = dict(HAS_PERM=s["HAS_PERM"], BLOCK_M=TILE_M, DOT_PREC=s["DOT_PREC"], PDL=s["PDL"],
-                  num_warps=c["num_warps"], num_stages=s["num_stages"])
+                  ONE_DOT=bool(c["one_dot"]) and not INTERPRET, num_warps=c["num_warps"], num_stages=s["num_stages"])
     skw = dict(common, SPLIT=sp.split, N_TILES=_cdiv(nr, bn), BLOCK_N=bn, BLOCK_K=s["BLOCK_K"])
     ekw = dict(common, N_TILES=e["N_TILES"], SLICES=e["SLICES"], BLOCK_N=e["BLOCK_N"], BLOCK_R=e["BLOCK_R"])
     if s["PDL"]:

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _gdc
 
-from lora_kernels.backends.triton.kernels import _chunk, _rank, _rows, _slice_span, _tile
+from lora_kernels.backends.triton.kernels import (_chunk, _expand_tile, _rank, _rows, _shrink_dot, _slice_span,
+                                                  _tile)
 
 GROUP = 4  # work-list tiles per tall tile: the kernels below hold one accumulator per tile
 
@@ -62,12 +63,67 @@ def _store_v(out_ptr, rows, row_mask, cols, col_mask, live, acc, NR):
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _shrink_one(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
+                HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A tall shrink item with one dot of 4 * BLOCK_M rows per K step."""
+    rank, slot64 = _rank(slot, lora_ranks)
+    rows, row_mask = _rows(perm_ptr, row0, lim, 4 * BLOCK_M, HAS_PERM)
+    cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < NR
+    live = col_mask & ((cols % R) < rank)
+    acc = tl.zeros((4 * BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if rank > 0:
+        acc = _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, 0, tl.minimum(k_chunk, K), K, NR,
+                          BLOCK_K, DOT_PREC, False)
+        for s in range(1, SPLIT):  # later chunks added in split order, as _sum_splits adds the partials
+            k_begin = s * k_chunk
+            acc += _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin,
+                               tl.minimum(k_begin + k_chunk, K), K, NR, BLOCK_K, DOT_PREC, False)
+    _store_v(out_ptr, rows, row_mask, cols, col_mask, live, acc, NR)
+
+
+@triton.jit
+def _shrink_four(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
+                 HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A tall shrink item with four dots of BLOCK_M rows per K step, sharing each A block."""
+    rank, slot64 = _rank(slot, lora_ranks)
+    r0, m0 = _rows(perm_ptr, row0, lim, BLOCK_M, HAS_PERM)
+    r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, lim, BLOCK_M, HAS_PERM)
+    r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
+    r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
+    cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < NR
+    live = col_mask & ((cols % R) < rank)
+    s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s1, s2, s3 = s0, s0, s0
+    if rank > 0:
+        a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
+        z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        s0, s1, s2, s3 = _tall_chain(x_ptr, a_rows, r0, r1, r2, r3, m0, m1, m2, m3, live, 0,
+                                     tl.minimum(k_chunk, K), K, z, z, z, z, BLOCK_K, DOT_PREC)
+        for s in range(1, SPLIT):  # later chunks added in split order, as _sum_splits adds the partials
+            k_begin = s * k_chunk
+            c0, c1, c2, c3 = _tall_chain(x_ptr, a_rows, r0, r1, r2, r3, m0, m1, m2, m3, live, k_begin,
+                                         tl.minimum(k_begin + k_chunk, K), K, z, z, z, z, BLOCK_K, DOT_PREC)
+            s0, s1, s2, s3 = s0 + c0, s1 + c1, s2 + c2, s3 + c3
+    _store_v(out_ptr, r0, m0, cols, col_mask, live, s0, NR)
+    _store_v(out_ptr, r1, m1, cols, col_mask, live, s1, NR)
+    _store_v(out_ptr, r2, m2, cols, col_mask, live, s2, NR)
+    _store_v(out_ptr, r3, m3, cols, col_mask, live, s3, NR)
+
+
 @triton.jit(do_not_specialize=["MT"])
 def _tall_shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, K, R, NR, k_chunk,
                         HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                        ONE_DOT: tl.constexpr):
     """Item (tile, column tile): v[row, c] = sum over the SPLIT chunks, in split order, of each chunk's chain, for
-    the rows of the tall tile that the tile leads; 0 for columns j >= rank and for slot -1 / rank-0 rows."""
+    the rows of the tall tile that the tile leads; 0 for columns j >= rank and for slot -1 / rank-0 rows.
+    ONE_DOT: one dot of 4 * BLOCK_M rows per K step instead of four of BLOCK_M (on sm90 wgmma instead of
+    mma.sync: the same bits per row on the H200, scripts/triton_dot_bits.py; not in the interpreter)."""
     if PDL:
         _gdc.gdc_launch_dependents()
         _gdc.gdc_wait()
@@ -75,30 +131,12 @@ def _tall_shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, K
     for w in range(start, stop):
         slot, row0, lim, leads = _tall_head(work, w // N_TILES, MT, BLOCK_M)
         if leads:
-            rank, slot64 = _rank(slot, lora_ranks)
-            r0, m0 = _rows(perm_ptr, row0, lim, BLOCK_M, HAS_PERM)
-            r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, lim, BLOCK_M, HAS_PERM)
-            r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-            r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-            cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_mask = cols < NR
-            live = col_mask & ((cols % R) < rank)
-            s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            s1, s2, s3 = s0, s0, s0
-            if rank > 0:
-                a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
-                z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                s0, s1, s2, s3 = _tall_chain(x_ptr, a_rows, r0, r1, r2, r3, m0, m1, m2, m3, live, 0,
-                                             tl.minimum(k_chunk, K), K, z, z, z, z, BLOCK_K, DOT_PREC)
-                for s in range(1, SPLIT):  # later chunks added in split order, as _sum_splits adds the partials
-                    k_begin = s * k_chunk
-                    c0, c1, c2, c3 = _tall_chain(x_ptr, a_rows, r0, r1, r2, r3, m0, m1, m2, m3, live, k_begin,
-                                                 tl.minimum(k_begin + k_chunk, K), K, z, z, z, z, BLOCK_K, DOT_PREC)
-                    s0, s1, s2, s3 = s0 + c0, s1 + c1, s2 + c2, s3 + c3
-            _store_v(out_ptr, r0, m0, cols, col_mask, live, s0, NR)
-            _store_v(out_ptr, r1, m1, cols, col_mask, live, s1, NR)
-            _store_v(out_ptr, r2, m2, cols, col_mask, live, s2, NR)
-            _store_v(out_ptr, r3, m3, cols, col_mask, live, s3, NR)
+            if ONE_DOT:
+                _shrink_one(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk, HAS_PERM,
+                            SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+            else:
+                _shrink_four(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk, HAS_PERM,
+                             SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
 
 
 @triton.jit
@@ -117,13 +155,47 @@ def _load_v(v_ptr, rows, row_mask, cols, col_mask, NR, dtype):
     return tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32).to(dtype)
 
 
+@triton.jit
+def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT, off1, off2, off3,
+                 t1, t2, t3, HAS_PERM: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A tall expand item with four dots of BLOCK_M rows per column tile, sharing each B block."""
+    r0, m0 = _rows(perm_ptr, row0, lim, BLOCK_M, HAS_PERM)
+    r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, lim, BLOCK_M, HAS_PERM)
+    r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
+    r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
+    scale = tl.load(scalings + slot64)
+    j = tl.arange(0, BLOCK_R)
+    j_mask = j < rank
+    b_slot = b_ptr + slot64 * OUT * R
+    dt = b_ptr.dtype.element_ty
+    for i in tl.static_range(SLICES):
+        ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
+        if a < b:
+            v0 = _load_v(v_ptr, r0, m0, i * R + j, j_mask, NR, dt)
+            v1 = _load_v(v_ptr, r1, m1, i * R + j, j_mask, NR, dt)
+            v2 = _load_v(v_ptr, r2, m2, i * R + j, j_mask, NR, dt)
+            v3 = _load_v(v_ptr, r3, m3, i * R + j, j_mask, NR, dt)
+            for ct in range(a, b):
+                n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = n < hi
+                bt = tl.trans(tl.load(b_slot + n[:, None] * R + j[None, :],
+                                      mask=n_mask[:, None] & j_mask[None, :], other=0.0))
+                _tall_col(bt, v0, out_ptr, r0, m0, n, n_mask, scale, OUT, DOT_PREC)
+                _tall_col(bt, v1, out_ptr, r1, m1, n, n_mask, scale, OUT, DOT_PREC)
+                _tall_col(bt, v2, out_ptr, r2, m2, n, n_mask, scale, OUT, DOT_PREC)
+                _tall_col(bt, v3, out_ptr, r3, m3, n, n_mask, scale, OUT, DOT_PREC)
+
+
 @triton.jit(do_not_specialize=["MT"])
 def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                         MT, R, NR, OUT, off1, off2, off3, t1, t2, t3,
                         HAS_PERM: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                        ONE_DOT: tl.constexpr):
     """Item (tile, column tile) of a leading tile: out[row, n] += scaling * v[row, i*R:(i+1)*R] B[slot, n, :]ᵀ for
-    the rows of its tall tile; v (reduced, SPLIT 1) is loaded once per slice of the program's chunk of the tile."""
+    the rows of its tall tile; v (reduced, SPLIT 1) is loaded once per slice of the program's chunk of the tile.
+    ONE_DOT: the 16-row expand's own code (_expand_tile) on 4 * BLOCK_M rows."""
     if PDL:
         _gdc.gdc_launch_dependents()
         _gdc.gdc_wait()
@@ -132,31 +204,15 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
     while t * N_TILES < stop:
         slot, row0, lim, leads = _tall_head(work, t, MT, BLOCK_M)
         rank, slot64 = _rank(slot, lora_ranks)
+        c0, c1 = tl.maximum(start - t * N_TILES, 0), tl.minimum(stop - t * N_TILES, N_TILES)
         if leads & (rank > 0):
-            c0, c1 = tl.maximum(start - t * N_TILES, 0), tl.minimum(stop - t * N_TILES, N_TILES)
-            r0, m0 = _rows(perm_ptr, row0, lim, BLOCK_M, HAS_PERM)
-            r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, lim, BLOCK_M, HAS_PERM)
-            r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-            r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-            scale = tl.load(scalings + slot64)
-            j = tl.arange(0, BLOCK_R)
-            j_mask = j < rank
-            b_slot = b_ptr + slot64 * OUT * R
-            dt = b_ptr.dtype.element_ty
-            for i in tl.static_range(SLICES):
-                ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
-                if a < b:
-                    v0 = _load_v(v_ptr, r0, m0, i * R + j, j_mask, NR, dt)
-                    v1 = _load_v(v_ptr, r1, m1, i * R + j, j_mask, NR, dt)
-                    v2 = _load_v(v_ptr, r2, m2, i * R + j, j_mask, NR, dt)
-                    v3 = _load_v(v_ptr, r3, m3, i * R + j, j_mask, NR, dt)
-                    for ct in range(a, b):
-                        n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
-                        n_mask = n < hi
-                        bt = tl.trans(tl.load(b_slot + n[:, None] * R + j[None, :],
-                                              mask=n_mask[:, None] & j_mask[None, :], other=0.0))
-                        _tall_col(bt, v0, out_ptr, r0, m0, n, n_mask, scale, OUT, DOT_PREC)
-                        _tall_col(bt, v1, out_ptr, r1, m1, n, n_mask, scale, OUT, DOT_PREC)
-                        _tall_col(bt, v2, out_ptr, r2, m2, n, n_mask, scale, OUT, DOT_PREC)
-                        _tall_col(bt, v3, out_ptr, r3, m3, n, n_mask, scale, OUT, DOT_PREC)
+            if ONE_DOT:
+                rows, row_mask = _rows(perm_ptr, row0, lim, 4 * BLOCK_M, HAS_PERM)
+                _expand_tile(v_ptr, work, t, 0, b_ptr, out_ptr, rows, row_mask, slot64, rank,
+                             tl.load(scalings + slot64), c0, c1, R, NR, OUT, 0, off1, off2, off3, t1, t2, t3, 1,
+                             N_TILES, SLICES, BLOCK_N, BLOCK_R, DOT_PREC, False, False)
+            else:
+                _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT,
+                             off1, off2, off3, t1, t2, t3, HAS_PERM, N_TILES, SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+                             DOT_PREC)
         t += 1
