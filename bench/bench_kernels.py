@@ -330,8 +330,9 @@ def host_overhead(case, mods, backends):
 
 # ---- --tune: sweep the Triton block table ----
 
-def tune_candidates() -> list[dict]:
-    """Variations of the current table, one knob at a time (the first is the table itself)."""
+def tune_candidates(keys: str = "") -> list[dict]:
+    """Variations of the current table, one knob at a time (the first is the table itself); keys: a comma list
+    of table entries to vary (default: all)."""
     plan = plan_module()
     base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, "tall": plan.TALL_DEFAULT, **plan.TABLE}.items()}
     knobs = [("fused", {"max_rows": 64}), ("fused", {"max_rows": 256}), ("fused", {"max_rows": 1024}),
@@ -345,8 +346,9 @@ def tune_candidates() -> list[dict]:
              ("expand", {"block_n": 256}), ("expand", {"num_stages": 3}), ("expand", {"num_warps": 8}),
              ("reduce", {"min_rows": 256})]
     out = [base]
+    only = [k for k in keys.split(",") if k]
     for kernel, change in knobs:
-        if any(base[kernel][k] != v for k, v in change.items()):
+        if (not only or kernel in only) and any(base[kernel][k] != v for k, v in change.items()):
             out.append({**base, kernel: {**base[kernel], **change}})
     return out
 
@@ -420,7 +422,7 @@ def run_tune(args):
     the mean ratio to the best per case; the best table is printed, and written with --write-tables."""
     plan = plan_module()
     built = [build_case(c, orders=("sorted",)) for c in TUNE_CASES]
-    cands = tune_candidates()
+    cands = tune_candidates(args.tune_keys)
     truth = tune_outputs(built)  # the first candidate is the current table
     results = [r for r in (tune_one(plan, built, cand, cands[0], truth) for cand in cands) if r]
     combined = tune_combined(results)
@@ -441,7 +443,8 @@ def run_tune(args):
     if args.write_tables:
         from lora_kernels.backends import tables_io
 
-        tables_io.write(best, auto, common.device_name(), common.meta()["date"])
+        command = tables_io.COMMAND + (f" --tune-keys {args.tune_keys}" if args.tune_keys else "")
+        tables_io.write(best, auto, common.device_name(), common.meta()["date"], command=command)
         print(f"# wrote {tables_io.PATH}")
 
 
@@ -483,10 +486,13 @@ def tune_auto(args) -> dict:
 def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cuda,loop,bmm",
-                   help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall / triton-tall4: Triton with the one-launch decode / the tall-tile path (four-dot form) on")
+                   help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall / triton-tall4: Triton with "
+                   "the one-launch decode / the tall-tile path (four-dot form) on")
     p.add_argument("--cases", default="", help="comma list of substrings of case names to run (default: all)")
     p.add_argument("--tune", action="store_true", help="sweep the Triton block table instead of benchmarking")
     p.add_argument("--write-tables", action="store_true", help="with --tune: write lora_kernels/backends/tables.py")
+    p.add_argument("--tune-keys", default="", help="with --tune: comma list of table entries to vary (default: all "
+                   "of fused, tall, shrink, reduce, expand)")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     (run_tune if args.tune else run_bench)(args)

@@ -7,8 +7,7 @@ exactly as `_expand_kernel` does with SPLIT partials, after waiting (acquire) un
 holds all S_TILES * SPLIT items. So a row's bits equal those of the two-launch path, and the choice between
 the paths (by the number of rows) keeps batch invariance.
 
-A phase-2 program loads its first B block and base rows of each slice before it waits, so that those reads
-overlap the shrink. Waiting is safe because every program finishes its phase-1 items before it waits, and
+Waiting is safe because every program finishes its phase-1 items before it waits, and
 the grid is at most one program per SM, so that all programs become resident once earlier kernels have left
 the SMs (a PDL dependent launches only after all of this grid's programs have started). Two fused launches
 running at once on two streams could each hold SMs the other waits for: the backend keeps separate counters
@@ -59,6 +58,8 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
             _shrink_item(x_ptr, a_ptr, ws_ptr, rows, row_mask, slot64, rank, w % SPLIT, (w // SPLIT) % S_TILES,
                          K, R, NR, num_rows, k_chunk, BLOCK_NS, BLOCK_K, DOT_PREC, PDL)
             tl.atomic_add(sync_ptr + t, 1, sem="release")
+    if PDL:
+        _gdc.gdc_wait()  # base_out is the previous kernel's output (a no-op when phase 1 has waited)
     start, stop = _chunk(tiles * E_TILES)
     t = start // E_TILES
     while t * E_TILES < stop:  # phase 2: expand items
@@ -67,7 +68,7 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
         if rank > 0:
             _expand_tile(ws_ptr, sync_ptr, t, S_TILES * SPLIT, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale,
                          c0, c1, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3, SPLIT, E_TILES, SLICES, BLOCK_NE,
-                         BLOCK_R, DOT_PREC, PDL, True)
+                         BLOCK_R, DOT_PREC, True)
             if tl.atomic_add(sync_ptr + MT + t, c1 - c0, sem="acq_rel") + (c1 - c0) == E_TILES:
                 tl.atomic_xchg(sync_ptr + t, 0)  # the tile's last consumer: ready for the next launch
                 tl.atomic_xchg(sync_ptr + MT + t, 0)

@@ -210,7 +210,7 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
                 rows, row_mask = _rows(perm_ptr, row0, lim, 4 * BLOCK_M, HAS_PERM)
                 _expand_tile(v_ptr, work, t, 0, b_ptr, out_ptr, rows, row_mask, slot64, rank,
                              tl.load(scalings + slot64), c0, c1, R, NR, OUT, 0, off1, off2, off3, t1, t2, t3, 1,
-                             N_TILES, SLICES, BLOCK_N, BLOCK_R, DOT_PREC, False, False)
+                             N_TILES, SLICES, BLOCK_N, BLOCK_R, DOT_PREC, False)
             else:
                 _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT,
                              off1, off2, off3, t1, t2, t3, HAS_PERM, N_TILES, SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
