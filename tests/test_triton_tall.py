@@ -6,6 +6,8 @@ invariance) and be right against float64, for segments of every length around th
 fp16); GPU: bf16 at the Llama shapes of a prefill.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,33 @@ def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k):
     untouched = torch.ones(case.x.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[torch.tensor(case.perm, dtype=torch.long, device=DEVICE)] = False
     assert torch.equal(tall[untouched], case.base[untouched]), "rows outside the batch were written"
+    plan.clear_cache()
+
+
+@pytest.mark.parametrize("table", ["default", "small"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_one_dot_form_in_the_interpreter_against_float64(monkeypatch, k, table):
+    """The one-dot form (the GPU's default) runs in the interpreter only when forced; there its numpy dots depend
+    on the tile height, so it is checked against float64 here and for bits on the GPU."""
+    seg_lens, in_dim, widths, max_rank, permute = CASES[k]
+    rng = np.random.default_rng([k, 9])
+    case = make_case(rng, num_slots=5, max_rank=max_rank, slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens,
+                     device=DEVICE, permute=permute, extra_rows=3)
+    made = plan.tall_plan
+
+    def one_dot(sp, ep, nr):
+        tp = made(sp, ep, nr)
+        return dataclasses.replace(tp, shrink_kw={**tp.shrink_kw, "ONE_DOT": True},
+                                   expand_kw={**tp.expand_kw, "ONE_DOT": True}, runs={})
+
+    monkeypatch.setattr(plan, "tall_plan", one_dot)
+    tall = _apply(monkeypatch, SMALL_TABLE if table == "small" else dict(plan.TABLE), case, 1)
+    ref = RowLoop(case, case.info)
+    v_ref, _ = ref.shrink()
+    assert rel_err(tall, ref.expand(v_ref.nan_to_num(0), case.base)) <= TOL[torch.float32]
+    untouched = torch.ones(case.x.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[torch.tensor(case.perm, dtype=torch.long, device=DEVICE)] = False
+    assert torch.equal(tall[untouched], case.base[untouched])
     plan.clear_cache()
 
 
