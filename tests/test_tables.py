@@ -17,6 +17,7 @@ def test_tables_module_is_what_the_generator_writes():
 def test_generator_round_trip(tmp_path):
     blocks = {k: {**v} for k, v in tables.TRITON_BLOCKS.items()}
     blocks["expand"]["ctas_per_sm"] = 3
+    blocks["tall"] = {"min_rows": 1024, "one_dot": True, "x": False}  # booleans must come back as Python's
     path = tmp_path / "tables.py"
     tables_io.write(blocks, dict(tables.AUTO), "NVIDIA H200", "2026-11-23", path)
     ns = {}

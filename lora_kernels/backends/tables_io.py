@@ -23,9 +23,17 @@ def render(blocks: dict, auto: dict, device: str, date: str, command: str = COMM
              f"# device: {device}", f"# date: {date}", f"# command: {command}",
              '"""Measured tables the package reads: the Triton block table and the `auto` backend table."""', "",
              "TRITON_BLOCKS = {"]
-    lines += [f"    {json.dumps(k)}: {json.dumps(v)}," for k, v in blocks.items()]
+    lines += [f"    {json.dumps(k)}: {_literal(v)}," for k, v in blocks.items()]
     lines += ["}", "", f"AUTO = {json.dumps(auto)}", ""]
     return "\n".join(lines)
+
+
+def _literal(entry: dict) -> str:
+    """A table entry as a Python dict literal in JSON's spelling, booleans as True / False (JSON's true / false
+    are not Python)."""
+    def value(v):
+        return repr(v) if isinstance(v, bool) else json.dumps(v)
+    return "{" + ", ".join(f"{json.dumps(k)}: {value(v)}" for k, v in entry.items()) + "}"
 
 
 def header(text: str) -> dict:
