@@ -83,9 +83,11 @@ def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, has_perm, max
     """The tall-tile shrink (into v of v_dtype) and expand (adds to out) launches."""
     ep = _plan.expand_plan(slice_offsets, R, dtype, has_perm, 1, device)
     tp = _plan.tall_plan(sp, ep, NR)
-    shrink = _Step(_tall_shrink_kernel, tp.runs, ("tall-s", v_dtype), _plan.grid(max_tiles * tp.s_tiles, tp.ctas, device),
-                   (max_tiles, x_shape[1], NR // len(slice_offsets[1:]), NR, sp.k_chunk), tp.shrink_kw)
-    expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype), _plan.grid(max_tiles * ep.n_tiles, tp.ctas, device),
+    s_grid = _plan.grid(max_tiles * tp.s_tiles, tp.ctas, device)
+    e_grid = _plan.grid(max_tiles * ep.n_tiles, tp.ctas, device)
+    shrink = _Step(_tall_shrink_kernel, tp.runs, ("tall-s", v_dtype), s_grid,
+                   (max_tiles, x_shape[1], NR // (len(slice_offsets) - 1), NR, sp.k_chunk), tp.shrink_kw)
+    expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype), e_grid,
                    (max_tiles, R, NR, slice_offsets[-1], *ep.scalars), tp.expand_kw)
     return shrink, expand
 

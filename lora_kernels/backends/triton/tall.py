@@ -132,11 +132,11 @@ def _tall_shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, K
         slot, row0, lim, leads = _tall_head(work, w // N_TILES, MT, BLOCK_M)
         if leads:
             if ONE_DOT:
-                _shrink_one(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk, HAS_PERM,
-                            SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+                _shrink_one(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
+                            HAS_PERM, SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
             else:
-                _shrink_four(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk, HAS_PERM,
-                             SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+                _shrink_four(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
+                             HAS_PERM, SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
 
 
 @triton.jit
@@ -181,8 +181,8 @@ def _expand_one(v_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, 
 
 
 @triton.jit
-def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT, off1, off2, off3,
-                 t1, t2, t3, HAS_PERM: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
+def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT, off1, off2,
+                 off3, t1, t2, t3, HAS_PERM: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
     """A tall expand item with four dots of BLOCK_M rows per column tile, sharing each B block."""
     r0, m0 = _rows(perm_ptr, row0, lim, BLOCK_M, HAS_PERM)
