@@ -15,6 +15,7 @@ import torch
 import lora_kernels as lk
 from cases import TOL, compile_for_sm90, make_case, rel_err
 from lora_kernels import backends
+from lora_kernels.backends import triton as tb
 from lora_kernels.backends.triton import plan
 from test_triton import SMALL_TABLE, RowLoop
 
@@ -23,10 +24,10 @@ pytestmark = pytest.mark.skipif(backends.unavailable("triton", torch.device("cud
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _apply(monkeypatch, base: dict, case, min_rows: int):
+def _apply(monkeypatch, base: dict, case, min_rows: int, **tall):
     monkeypatch.setattr(plan, "TABLE", {**base, "tall": {**plan.TALL_DEFAULT, **base.get("tall", {}),
-                                                         "min_rows": min_rows}})
-    assert plan.apply_path(case.x.shape[0]) == ("tall" if min_rows else "split")
+                                                         "min_rows": min_rows, **tall}})
+    assert plan.apply_path(case.x.shape[0])[0] == ("tall" if min_rows else "split")
     out = case.base.clone()
     lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
     return out
@@ -40,10 +41,12 @@ CASES = [  # (seg_lens, in_dim, widths, max_rank, permute): lengths around 16 an
 ]
 
 
+@pytest.mark.parametrize("shrink", ["tall", "split"])
 @pytest.mark.parametrize("table", ["default", "small"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k", range(len(CASES)))
-def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k):
+def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k, shrink):
+    """shrink "split": below the table's shrink_min_rank the split-K shrink writes v and the tall expand reads it."""
     if table == "small" and dtype != torch.float32:
         pytest.skip("the tiny table reaches the same paths in fp32 (the interpreter is slow)")
     seg_lens, in_dim, widths, max_rank, permute = CASES[k]
@@ -52,8 +55,11 @@ def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k):
                      dtype=dtype, device=DEVICE, permute=permute, extra_rows=3)
     base = SMALL_TABLE if table == "small" else dict(plan.TABLE)
     split = _apply(monkeypatch, base, case, 0)
-    tall = _apply(monkeypatch, base, case, 1)
+    tall = _apply(monkeypatch, base, case, 1, shrink_min_rank=0 if shrink == "tall" else 1 << 30)
     assert torch.equal(tall, split), "the tall-tile path changed bits"
+    recipes = [r for k, r in plan._cache.items() if k[0] == "apply" and k[-1][0] == "tall"]
+    assert len(recipes) == 1 and recipes[0].steps[-1].kernel is tb._tall_expand_kernel
+    assert (recipes[0].mode == "tall") == (shrink == "tall")
     ref = RowLoop(case, case.info)
     v_ref, _ = ref.shrink()
     assert rel_err(tall, ref.expand(v_ref.nan_to_num(0), case.base)) <= TOL[dtype]
@@ -61,6 +67,16 @@ def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k):
     untouched[torch.tensor(case.perm, dtype=torch.long, device=DEVICE)] = False
     assert torch.equal(tall[untouched], case.base[untouched]), "rows outside the batch were written"
     plan.clear_cache()
+
+
+def test_recipes_follow_the_tall_entry(monkeypatch):
+    """A cached launch recipe is keyed by the path and its table entry: changing one_dot or shrink_min_rank
+    between calls (bench variants, --tune) takes effect without a cache clear."""
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1}})
+    a = plan.apply_path(64)
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "one_dot": False}})
+    b = plan.apply_path(64)
+    assert a[0] == b[0] == "tall" and a != b
 
 
 @pytest.mark.parametrize("table", ["default", "small"])

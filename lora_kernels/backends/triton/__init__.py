@@ -114,17 +114,23 @@ def _sync_counters(max_tiles: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: str) -> _Recipe:
+def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recipe:
     S, R, NR, rows, dev = len(slice_offsets) - 1, lora_b.shape[2], lora_a.shape[1], x.shape[0], x.device
     has_perm, mt = info.permutation is not None, info.max_tiles
     sp = _plan.shrink_plan(x.shape[1], S, NR // S, x.dtype, has_perm, dev)
     ws = (sp.split, rows, NR)
-    if path == "fused":
+    if path[0] == "fused":
         return _Recipe("fused", (_fused_step(sp, x.shape, NR, R, slice_offsets, x.dtype, has_perm, mt, dev),), ws, None)
-    if path == "tall":
-        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, has_perm, mt,
-                                           dev), None, (rows, NR))
+    if path[0] == "tall":
+        tall = _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, has_perm, mt, dev)
+        if R >= _plan.tall_config()["shrink_min_rank"]:
+            return _Recipe("tall", tall, None, (rows, NR))
     shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
+    if path[0] == "tall":  # the split-K shrink (and its reduction) into v, then the tall expand reads v
+        if sp.split == 1:
+            return _Recipe("two", (shrink, tall[1]), ws, None)
+        return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev), tall[1]),
+                       ws, (rows, NR))
     if sp.split > 1 and _plan.reduce_first(rows):
         return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev),
                                   _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm, 1, mt, dev)),

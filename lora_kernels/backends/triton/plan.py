@@ -24,7 +24,10 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # one_dot: one 64-row dot per step (wgmma on sm90; its bits equal mma.sync's per row there, which
 # scripts/triton_dot_bits.py checks and the GPU tests assert) rather than four 16-row dots; the interpreter's
 # numpy dots differ by height, so it runs the four-dot form.
-TALL_DEFAULT = {"min_rows": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2, "one_dot": True}
+# shrink_min_rank: the tall shrink from this pool rank on; below it the split-K shrink (more programs for a narrow
+# S*R) and its reduction write v, which the tall expand reads (the same v either way).
+TALL_DEFAULT = {"min_rows": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2, "one_dot": True,
+                "shrink_min_rank": 0}
 _cache: dict = {}
 _sms: dict = {}
 
@@ -184,7 +187,7 @@ class TallPlan:
 def tall_plan(sp: ShrinkPlan, ep: ExpandPlan, nr: int) -> TallPlan:
     """The tall-tile kernels' constexprs: every reduction as in sp / ep (bits), the shrink's column tiles (nr = S*R
     columns) from the tall table; the expand's column tiles are ep's (its slice scalars depend on them)."""
-    c = {**TALL_DEFAULT, **TABLE.get("tall", {})}
+    c = tall_config()
     s, e = sp.kw, ep.kw
     bn = max(16, min(s["BLOCK_N"], c["block_n"]))
     common = dict(HAS_PERM=s["HAS_PERM"], BLOCK_M=TILE_M, DOT_PREC=s["DOT_PREC"], PDL=s["PDL"],
@@ -197,17 +200,24 @@ def tall_plan(sp: ShrinkPlan, ep: ExpandPlan, nr: int) -> TallPlan:
                   lambda: TallPlan(skw, ekw, skw["N_TILES"], c["ctas_per_sm"]))
 
 
+def tall_config() -> dict:
+    return {**TALL_DEFAULT, **TABLE.get("tall", {})}
+
+
 def tall_rows() -> int:
     """apply_lora takes the tall-tile path from this many rows of x on (0: never); same bits either way."""
-    return {**TALL_DEFAULT, **TABLE.get("tall", {})}["min_rows"]
+    return tall_config()["min_rows"]
 
 
-def apply_path(rows: int) -> str:
-    """apply_lora's launches for x of `rows` rows: "fused" (one launch), "tall" (tall tiles) or "split" (the
-    split-K shrink then the expand). Every path computes the same bits; the table picks the fastest."""
+def apply_path(rows: int) -> tuple:
+    """apply_lora's launches for x of `rows` rows: ("fused", ...) (one launch), ("tall", ...) (tall tiles) or
+    ("split",) (the split-K shrink then the expand), with the table entry that shapes them (so that a cached
+    launch recipe follows a table change). Every path computes the same bits; the table picks the fastest."""
     if rows <= fused_rows():
-        return "fused"
-    return "tall" if rows >= tall_rows() > 0 else "split"
+        return ("fused", *sorted({**FUSED_DEFAULT, **TABLE.get("fused", {})}.items()))
+    if rows >= tall_rows() > 0:
+        return ("tall", *sorted(tall_config().items()))
+    return ("split",)
 
 
 def fused_rows() -> int:
