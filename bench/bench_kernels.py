@@ -336,12 +336,12 @@ def tune_candidates(keys: str = "") -> list[dict]:
     plan = plan_module()
     base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, "tall": plan.TALL_DEFAULT, **plan.TABLE}.items()}
     knobs = [("fused", {"max_rows": 64}), ("fused", {"max_rows": 256}), ("fused", {"max_rows": 1024}),
-             ("tall", {"min_rows": 1024}), ("tall", {"min_rows": 1024, "num_warps": 8}),
-             ("tall", {"min_rows": 1024, "num_warps": 8, "shrink_min_rank": 32}),  # tall expand only below r32
-             ("tall", {"min_rows": 1024, "num_warps": 8, "shrink_min_rank": 1 << 30}),  # tall expand only
-             # measured and dropped (H200, 92caed9, prefill r16 / r64 ms): min_rows 256 (r64 decode 256 sorted
-             # 167 -> 390 µs), the four-dot form (1.65 / 2.32 against 0.94 / 1.42), block_n 128 (0.88 / 1.73),
-             # 4 programs per SM (no better than 2)
+             ("tall", {"min_rows": 1024, "num_warps": 8, "min_rank": 32}),
+             # measured and dropped (H200, 92caed9 and bd2ab65; prefill r16 / r64 ms, off: 0.78 / 1.82): min_rows 1024
+             # 0.88 / 1.77; with 8 warps 0.94 / 1.42; the same with shrink_min_rank 32 (split-K shrink below r32)
+             # 0.94-0.96 / 1.42, with no tall shrink 0.96 / 1.61; min_rows 256 (r64 decode 256 sorted 167 -> 390 µs);
+             # the four-dot form 1.65 / 2.32; block_n 128 0.88 / 1.73; 4 programs per SM no better than 2. Every
+             # tall form is slower at r16, hence min_rank.
              ("shrink", {"ctas_per_sm": 2}), ("shrink", {"ctas_per_sm": 8}), ("shrink", {"k_chunk_min": 256}),
              ("shrink", {"k_chunk_min": 1024}), ("shrink", {"num_stages": 4}), ("shrink", {"block_k": 64}),
              ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches

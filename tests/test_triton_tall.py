@@ -27,7 +27,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _apply(monkeypatch, base: dict, case, min_rows: int, **tall):
     monkeypatch.setattr(plan, "TABLE", {**base, "tall": {**plan.TALL_DEFAULT, **base.get("tall", {}),
                                                          "min_rows": min_rows, **tall}})
-    assert plan.apply_path(case.x.shape[0])[0] == ("tall" if min_rows else "split")
+    assert plan.apply_path(case.x.shape[0], case.lora_b.shape[2])[0] == ("tall" if min_rows else "split")
     out = case.base.clone()
     lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
     return out
@@ -73,10 +73,12 @@ def test_recipes_follow_the_tall_entry(monkeypatch):
     """A cached launch recipe is keyed by the path and its table entry: changing one_dot or shrink_min_rank
     between calls (bench variants, --tune) takes effect without a cache clear."""
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1}})
-    a = plan.apply_path(64)
+    a = plan.apply_path(64, 16)
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "one_dot": False}})
-    b = plan.apply_path(64)
+    b = plan.apply_path(64, 16)
     assert a[0] == b[0] == "tall" and a != b
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "min_rank": 32}})
+    assert plan.apply_path(64, 16) == ("split",) and plan.apply_path(64, 32)[0] == "tall"  # by the pool's rank
 
 
 @pytest.mark.parametrize("table", ["default", "small"])

@@ -172,7 +172,7 @@ class TritonBackend:
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
         work, perm = _work(info)
-        path = _plan.apply_path(x.shape[0])
+        path = _plan.apply_path(x.shape[0], lora_b.shape[2])
         key = ("apply", x.shape, x.dtype, lora_a.shape, lora_b.shape[2], slice_offsets, x.device, info.max_tiles,
                perm is not work, path)
         r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path))

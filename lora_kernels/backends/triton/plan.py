@@ -26,7 +26,8 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # numpy dots differ by height, so it runs the four-dot form.
 # shrink_min_rank: the tall shrink from this pool rank on; below it the split-K shrink (more programs for a narrow
 # S*R) and its reduction write v, which the tall expand reads (the same v either way).
-TALL_DEFAULT = {"min_rows": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2, "one_dot": True,
+# min_rank: the tall path only for pools of this rank or more (shape-only, so the bits do not change).
+TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2, "one_dot": True,
                 "shrink_min_rank": 0}
 _cache: dict = {}
 _sms: dict = {}
@@ -209,13 +210,13 @@ def tall_rows() -> int:
     return tall_config()["min_rows"]
 
 
-def apply_path(rows: int) -> tuple:
-    """apply_lora's launches for x of `rows` rows: ("fused", ...) (one launch), ("tall", ...) (tall tiles) or
+def apply_path(rows: int, rank: int) -> tuple:
+    """apply_lora's launches for x of `rows` rows and a pool of rank `rank`: ("fused", ...) (one launch), ("tall", ...) (tall tiles) or
     ("split",) (the split-K shrink then the expand), with the table entry that shapes them (so that a cached
     launch recipe follows a table change). Every path computes the same bits; the table picks the fastest."""
     if rows <= fused_rows():
         return ("fused", *sorted({**FUSED_DEFAULT, **TABLE.get("fused", {})}.items()))
-    if rows >= tall_rows() > 0:
+    if rows >= tall_rows() > 0 and rank >= tall_config()["min_rank"]:
         return ("tall", *sorted(tall_config().items()))
     return ("split",)
 
