@@ -26,12 +26,18 @@ def resolve_backend(backend: str | None, device: torch.device, info: LoRABatchIn
     name = backend or os.environ.get("LORA_KERNELS_BACKEND") or "auto"
     if name == "auto":
         return auto.choose(device, info)
+    if (name, device) in _runnable:
+        return name
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     err = backends.unavailable(name, device)
     if err is not None:
         raise type(err)(f"backend={name!r} {err}")
+    _runnable.add((name, device))
     return name
+
+
+_runnable: set = set()  # (backend, device) pairs found available: availability does not change in a process
 
 
 def _check_tensor(name: str, t, dim: int, shape_doc: str, dtype=None, device=None, contiguous=True) -> None:

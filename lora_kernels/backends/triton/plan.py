@@ -35,6 +35,7 @@ _sms: dict = {}
 
 def clear_cache() -> None:
     _cache.clear()
+    _paths[0] = None
 
 
 _CACHE_MAX = 4096  # plans and launch recipes: an engine has a few shapes, eager prefill many row counts
@@ -210,10 +211,25 @@ def tall_rows() -> int:
     return tall_config()["min_rows"]
 
 
+_paths: list = [None, {}]  # [the TABLE object the memo was made for, {(rows, rank): path}]
+
+
 def apply_path(rows: int, rank: int) -> tuple:
-    """apply_lora's launches for x of `rows` rows and a pool of rank `rank`: ("fused", ...) (one launch), ("tall", ...) (tall tiles) or
-    ("split",) (the split-K shrink then the expand), with the table entry that shapes them (so that a cached
-    launch recipe follows a table change). Every path computes the same bits; the table picks the fastest."""
+    """apply_lora's launches for x of `rows` rows and a pool of rank `rank`: ("fused", ...) (one launch),
+    ("tall", ...) (tall tiles) or ("split",) (the split-K shrink then the expand), with the table entry that
+    shapes them (so that a cached launch recipe follows a table change). Every path computes the same bits;
+    the table picks the fastest. Memoized per table object (TABLE is replaced, never edited, to change it)."""
+    if _paths[0] is not TABLE:
+        _paths[0], _paths[1] = TABLE, {}
+    path = _paths[1].get((rows, rank))
+    if path is None:
+        if len(_paths[1]) >= _CACHE_MAX:
+            _paths[1].clear()
+        path = _paths[1][rows, rank] = _choose_path(rows, rank)
+    return path
+
+
+def _choose_path(rows: int, rank: int) -> tuple:
     if rows <= fused_rows():
         return ("fused", *sorted({**FUSED_DEFAULT, **TABLE.get("fused", {})}.items()))
     if rows >= tall_rows() > 0 and rank >= tall_config()["min_rank"]:
