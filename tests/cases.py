@@ -167,9 +167,36 @@ def batch_rows(rng, n, num_slots, target_slots):
     return slots, where
 
 
+# Prepended to every compile_for_sm90 script: compile90 builds an SGMV kernel's signature (its pointers, then the
+# work-list pointers, then its i32 scalars, then the constexprs of kw) and compiles it for sm90.
+SM90_COMPILE = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile90(fn, kw, ptrs, ints, scalings=False):
+    """triton.compile of fn for sm90: pointers `ptrs` ("name:type"), work, lora_ranks, (scalings), perm_ptr, the
+    i32 `ints`, then kw's constexprs (num_warps / num_stages as options; launch_pdl dropped)."""
+    kw = dict(kw)
+    nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
+    kw.pop("launch_pdl", None)
+    sig = {name: "*" + t for name, t in (q.split(":") for q in ptrs)}
+    sig.update({"work": "*i32", "lora_ranks": "*i32"})
+    if scalings:
+        sig["scalings"] = "*fp32"
+    sig["perm_ptr"] = "*i32"
+    sig.update({k: "i32" for k in ints})
+    sig.update({k: "constexpr" for k in kw})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": nw, "num_stages": ns})
+'''
+
+
 def compile_for_sm90(script: str) -> list:
-    """Runs `script` (which triton.compile's kernels for sm90 and prints a JSON list last) in a subprocess without
-    the interpreter, so that Triton compiles to a cubin (ptxas included) on a GPU-less machine; returns the list."""
+    """Runs `script` (which triton.compile's kernels for sm90, `compile90` at hand, and prints a JSON list last) in a
+    subprocess without the interpreter, so that Triton compiles to a cubin (ptxas included) on a GPU-less machine;
+    returns the list."""
     import json
     import os
     import subprocess
@@ -178,6 +205,6 @@ def compile_for_sm90(script: str) -> list:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", SM90_COMPILE + script], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -98,49 +98,29 @@ def test_fused_grid_checks(monkeypatch):
 
 _AOT = r'''
 import json
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from lora_kernels.backends.triton import fused, plan
+import torch
+from lora_kernels.backends.triton import fused, kernels, plan
 out = []
 for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336)), (1, 64, 14336, (4096,))]:
     sp = plan.shrink_plan(in_dim, S, R, torch.bfloat16, False, torch.device("cpu"))
     offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
     ep = plan.expand_plan(offs, R, torch.bfloat16, False, sp.split, torch.device("cpu"))
     fp = plan.fused_plan(sp, ep)
-    kw = {**fp.kw, "PDL": True}
-    nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
-    kw.pop("launch_pdl", None)
-    sig = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sync_ptr": "*i32",
-           "work": "*i32", "lora_ranks": "*i32", "scalings": "*fp32", "perm_ptr": "*i32"}
-    sig.update({k: "i32" for k in ("MT", "K", "R", "NR", "OUT", "num_rows", "k_chunk", "off1", "off2", "off3", "t1", "t2", "t3")})
-    sig.update({k: "constexpr" for k in kw})
-    k = triton.compile(ASTSource(fn=fused._fused_kernel, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": nw, "num_stages": ns})
+    k = compile90(fused._fused_kernel, {**fp.kw, "PDL": True},
+                  ("x_ptr:bf16", "a_ptr:bf16", "b_ptr:bf16", "out_ptr:bf16", "ws_ptr:fp32", "sync_ptr:i32"),
+                  ("MT", "K", "R", "NR", "OUT", "num_rows", "k_chunk", "off1", "off2", "off3", "t1", "t2", "t3"),
+                  scalings=True)
     ptx = k.asm["ptx"]
     out.append({"S": S, "R": R, "shared": k.metadata.shared,
                 "mma": "mma.sync" in ptx or "wgmma" in ptx, "acquire": "acquire" in ptx, "release": "release" in ptx,
                 "gdc": "griddepcontrol" in ptx})
     # the two launches' kernels too, which share the fused kernel's helpers
-    from lora_kernels.backends.triton import kernels
-    skw = {**sp.kw, "PDL": True, "PARTIAL": True}
-    ekw = {**ep.kw, "PDL": True}
-    for fn, kw, ptrs, ints in ((kernels._shrink_kernel, skw, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
-                                ("MT", "K", "R", "NR", "num_rows", "k_chunk")),
-                               (kernels._expand_kernel, ekw, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
+    for fn, kw, ptrs, ints in ((kernels._shrink_kernel, {**sp.kw, "PDL": True, "PARTIAL": True},
+                                ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"), ("MT", "K", "R", "NR", "num_rows", "k_chunk")),
+                               (kernels._expand_kernel, {**ep.kw, "PDL": True},
+                                ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
                                 ("MT", "R", "NR", "OUT", "num_rows", "off1", "off2", "off3", "t1", "t2", "t3"))):
-        kw = dict(kw)
-        nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
-        kw.pop("launch_pdl", None)
-        sig = {name: "*" + t for name, t in (q.split(":") for q in ptrs)}
-        sig.update({"work": "*i32", "lora_ranks": "*i32"})
-        if fn is kernels._expand_kernel:
-            sig["scalings"] = "*fp32"
-        sig["perm_ptr"] = "*i32"
-        sig.update({k: "i32" for k in ints})
-        sig.update({k: "constexpr" for k in kw})
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": nw, "num_stages": ns})
+        k = compile90(fn, kw, ptrs, ints, scalings=fn is kernels._expand_kernel)
         ptx = k.asm["ptx"]
         out.append({"S": S, "R": R, "kernel": fn.fn.__name__, "shared": k.metadata.shared,
                     "mma": "mma.sync" in ptx or "wgmma" in ptx, "acquire": True, "release": True,

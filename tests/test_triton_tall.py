@@ -128,9 +128,7 @@ def test_gpu_tall_bits_llama_prefill(monkeypatch, rank, shape, one_dot):
 
 _AOT = r'''
 import json
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 from lora_kernels.backends.triton import kernels, plan, tall
 out = []
 for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336)), (1, 64, 14336, (4096,))]:
@@ -147,18 +145,7 @@ for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (1
             (kernels._shrink_kernel, {**sp.kw, "PARTIAL": True}, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
              ("MT", "K", "R", "NR", "num_rows", "k_chunk")))
     for fn, kw, ptrs, ints in jobs:
-        kw = {**kw, "PDL": True}
-        nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
-        kw.pop("launch_pdl", None)
-        sig = {name: "*" + t for name, t in (q.split(":") for q in ptrs)}
-        sig.update({"work": "*i32", "lora_ranks": "*i32"})
-        if fn is tall._tall_expand_kernel:
-            sig["scalings"] = "*fp32"
-        sig["perm_ptr"] = "*i32"
-        sig.update({k: "i32" for k in ints})
-        sig.update({k: "constexpr" for k in kw})
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": nw, "num_stages": ns})
+        k = compile90(fn, {**kw, "PDL": True}, ptrs, ints, scalings=fn is tall._tall_expand_kernel)
         ptx = k.asm["ptx"]
         out.append({"S": S, "R": R, "kernel": fn.fn.__name__, "one_dot": kw.get("ONE_DOT"), "shared": k.metadata.shared,
                     "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx})

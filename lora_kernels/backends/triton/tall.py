@@ -141,18 +141,9 @@ def _tall_shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, K
 
 @triton.jit
 def _tall_col(bt, vt, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC: tl.constexpr):
-    """out[rows, n] = base + scale * vt btᵀ for one row tile (as _expand_col)."""
-    ptrs = out_ptr + rows[:, None] * OUT + n[None, :]
-    mask = row_mask[:, None] & n_mask[None, :]
-    base = tl.load(ptrs, mask=mask, other=0.0)
-    acc = tl.dot(vt, bt, input_precision=DOT_PREC)
-    tl.store(ptrs, (base.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_v(v_ptr, rows, row_mask, cols, col_mask, NR, dtype):
-    ptrs = v_ptr + rows[:, None] * NR + cols[None, :]
-    return tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32).to(dtype)
+    """One row tile of a four-dot column tile: its base rows, then _expand_col (the one place that writes out)."""
+    base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+    _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
 
 
 @triton.jit
@@ -197,15 +188,14 @@ def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, 
     for i in tl.static_range(SLICES):
         ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
         if a < b:
-            v0 = _load_v(v_ptr, r0, m0, i * R + j, j_mask, NR, dt)
-            v1 = _load_v(v_ptr, r1, m1, i * R + j, j_mask, NR, dt)
-            v2 = _load_v(v_ptr, r2, m2, i * R + j, j_mask, NR, dt)
-            v3 = _load_v(v_ptr, r3, m3, i * R + j, j_mask, NR, dt)
+            v0 = _sum_splits(v_ptr, r0, m0, i * R + j, j_mask, 0, NR, 1, False).to(dt)
+            v1 = _sum_splits(v_ptr, r1, m1, i * R + j, j_mask, 0, NR, 1, False).to(dt)
+            v2 = _sum_splits(v_ptr, r2, m2, i * R + j, j_mask, 0, NR, 1, False).to(dt)
+            v3 = _sum_splits(v_ptr, r3, m3, i * R + j, j_mask, 0, NR, 1, False).to(dt)
             for ct in range(a, b):
                 n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = n < hi
-                bt = tl.trans(tl.load(b_slot + n[:, None] * R + j[None, :],
-                                      mask=n_mask[:, None] & j_mask[None, :], other=0.0))
+                bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
                 _tall_col(bt, v0, out_ptr, r0, m0, n, n_mask, scale, OUT, DOT_PREC)
                 _tall_col(bt, v1, out_ptr, r1, m1, n, n_mask, scale, OUT, DOT_PREC)
                 _tall_col(bt, v2, out_ptr, r2, m2, n, n_mask, scale, OUT, DOT_PREC)
