@@ -126,17 +126,15 @@ def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recip
         if R >= _plan.tall_config()["shrink_min_rank"]:
             return _Recipe("tall", tall, None, (rows, NR))
     shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
-    if path[0] == "tall":  # the split-K shrink (and its reduction) into v, then the tall expand reads v
-        if sp.split == 1:
-            return _Recipe("two", (shrink, tall[1]), ws, None)
-        return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev), tall[1]),
-                       ws, (rows, NR))
-    if sp.split > 1 and _plan.reduce_first(rows):
-        return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev),
-                                  _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm, 1, mt, dev)),
-                       ws, (rows, NR))
-    return _Recipe("two", (shrink, _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm, sp.split,
-                                                mt, dev)), ws, None)
+    # The partials are reduced into v first for the tall expand (it reads v) and from reduce_first rows on (no
+    # column tile re-reads them); otherwise the expand adds them itself.
+    reduce = sp.split > 1 and (path[0] == "tall" or _plan.reduce_first(rows))
+    expand = tall[1] if path[0] == "tall" else _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm,
+                                                            1 if reduce else sp.split, mt, dev)
+    if not reduce:
+        return _Recipe("two", (shrink, expand), ws, None)
+    return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev), expand), ws,
+                   (rows, NR))
 
 
 
