@@ -3,6 +3,9 @@
     smoke  every kernel path once on small shapes, checked against reference.py
     ncu [BACKEND]  one decode apply (batch 64, distinct adapters, r64, gate_up) and one prefill apply
            (8 x 1024 rows, r64, gate_up), for Nsight Compute; BACKEND cuda (default), triton, triton-fused or triton-tall
+    layer BACKEND CASE [ORDER]  one layer (qkv, o, gate_up, down) of a bench_kernels case (e.g. "r16 decode 16x1
+           uniform", order sorted or unsorted) applied twice; the second pass inside the NVTX range "layer", for
+           `ncu --nvtx --nvtx-include "layer/"`
     pdl    µs per module and per layer in graph replay at decode batch 1 (qkv, o, gate_up, down);
            run once with LORA_KERNELS_PDL=0 and once without to see what programmatic launch buys
 """
@@ -91,6 +94,24 @@ def ncu(backend="cuda"):
     torch.cuda.synchronize()
 
 
+def layer(backend="triton", case="r16 decode 16x1 uniform", order="sorted"):
+    import bench_kernels as bk
+
+    c = next(c for c in bk.all_cases(False) if c.name == case)
+    mods, infos = bk.build_case(c)
+    order = order if order in infos else "unsorted"
+    fns = [m.fns(f"{backend} {order}")[0] for m in mods.values()]
+    for f in fns:  # compiles
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("layer")
+    for f in fns:
+        f()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    print(f"layer {backend} {case} {order}")
+
+
 def pdl():
     import common
 
@@ -107,4 +128,4 @@ def pdl():
 
 
 if __name__ == "__main__":
-    {"smoke": smoke, "ncu": ncu, "pdl": pdl}[sys.argv[1]](*sys.argv[2:])
+    {"smoke": smoke, "ncu": ncu, "layer": layer, "pdl": pdl}[sys.argv[1]](*sys.argv[2:])

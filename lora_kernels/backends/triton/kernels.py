@@ -171,8 +171,13 @@ def _pick(i: tl.constexpr, a0, a1, a2, a3):
 @triton.jit
 def _expand_head(work, t, MT, start, stop, lora_ranks, scalings, perm_ptr, N_TILES: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Tile t of an expand chunk [start, stop): rank, slot, rows, scaling and its column tiles [c0, c1)."""
-    slot, row0, end = _tile(work, t, MT)
+    """Tile t of an expand chunk [start, stop): rank, slot, rows, scaling and its column tiles [c0, c1); a
+    tile with no item in the chunk (t * N_TILES >= stop: a program with no items) reads nothing and gets rank
+    0 (the kernels read the first tile's head before gdc_wait, before they know)."""
+    live = t * N_TILES < stop
+    slot = tl.load(work + 1 + t, mask=live, other=-1)
+    row0 = tl.load(work + 1 + MT + t, mask=live, other=0)
+    end = tl.load(work + 1 + 2 * MT + t, mask=live, other=0)
     rank, slot64 = _rank(slot, lora_ranks)
     rows, row_mask = _rows(perm_ptr, row0, end, BLOCK_M, HAS_PERM)
     scale = tl.load(scalings + slot64)
@@ -250,14 +255,19 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
     """
     if PDL:
         _gdc.gdc_launch_dependents()
-        _gdc.gdc_wait()
     start, stop = _chunk(tl.load(work) * N_TILES)
     t = start // N_TILES
+    # The first tile's head is read before gdc_wait: the builder's lists, ranks and scalings are written before
+    # the forward, never by a kernel of it, so at decode (one item per program) only v and out wait.
+    rank, slot64, rows, row_mask, scale, c0, c1 = _expand_head(work, t, MT, start, stop, lora_ranks, scalings,
+                                                               perm_ptr, N_TILES, BLOCK_M, HAS_PERM)
+    if PDL:
+        _gdc.gdc_wait()
     while t * N_TILES < stop:
-        rank, slot64, rows, row_mask, scale, c0, c1 = _expand_head(work, t, MT, start, stop, lora_ranks, scalings,
-                                                                   perm_ptr, N_TILES, BLOCK_M, HAS_PERM)
         if rank > 0:
             _expand_tile(v_ptr, work, t, 0, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT,
                          num_rows, off1, off2, off3, t1, t2, t3, SPLIT, N_TILES, SLICES, BLOCK_N, BLOCK_R, DOT_PREC,
                          False)
         t += 1
+        rank, slot64, rows, row_mask, scale, c0, c1 = _expand_head(work, t, MT, start, stop, lora_ranks, scalings,
+                                                                   perm_ptr, N_TILES, BLOCK_M, HAS_PERM)
