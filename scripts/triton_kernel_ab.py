@@ -1,12 +1,13 @@
-"""A/B of the Triton SGMV kernels: this tree's kernels.py against another version of the file, same plans.
+"""A/B of the Triton SGMV kernels: this tree's kernels.py against other versions of the file, same plans.
 
     git show <rev>:lora_kernels/backends/triton/kernels.py > /tmp/old_kernels.py
-    python3 scripts/triton_kernel_ab.py /tmp/old_kernels.py [case substrings, comma list]
+    python3 scripts/triton_kernel_ab.py /tmp/old_kernels.py[,/tmp/other.py...] [case substrings, comma list]
 
-For each bench_kernels case (default: the decode cases that regressed, r16 bs1 / 16 / 64), the layer's
-graphs are captured once with each kernel set (the other file's _shrink_kernel, _reduce_kernel and
-_expand_kernel put in the backend's place, signatures must match) and replayed in interleaved rounds
-(bench_kernels' method); the outputs are compared bit for bit first. Prints layer µs per variant.
+For each bench_kernels case (default: the decode cases r16 bs1 / 16 / 64), every kernel set (another file's
+_shrink_kernel, _reduce_kernel and _expand_kernel put in the backend's place, signatures must match) first
+computes the first module's output from the same base (bit-compared with this tree's), then the layer's graphs
+are captured once per set and replayed in interleaved rounds (bench_kernels' method; the replays add into the
+bases in place, so no output is taken after them). Prints layer µs per variant.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ def _use(kernels: dict) -> None:
     plan.clear_cache()
 
 
-def main(other: str, cases: str = "r16 decode 1x1 distinct,r16 decode 16x1 uniform,r16 decode 64x1 uniform"):
-    spec = importlib.util.spec_from_file_location("ab_kernels", other)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sets = {"this tree": {n: getattr(tb, n) for n in NAMES}, Path(other).name: {n: getattr(mod, n) for n in NAMES}}
+def main(others: str, cases: str = "r16 decode 1x1 distinct,r16 decode 16x1 uniform,r16 decode 64x1 uniform"):
+    sets = {"this tree": {n: getattr(tb, n) for n in NAMES}}
+    for other in others.split(","):
+        spec = importlib.util.spec_from_file_location(f"ab_{Path(other).stem}", other)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sets[Path(other).name] = {n: getattr(mod, n) for n in NAMES}
     want = [c for c in cases.split(",") if c]
     print(f"# {common.device_name()}, layer µs, graph replay, rotated buffers, 5 interleaved rounds")
     for case in bk.all_cases(False):
@@ -48,23 +51,28 @@ def main(other: str, cases: str = "r16 decode 1x1 distinct,r16 decode 16x1 unifo
             continue
         mods, infos = bk.build_case(case)
         order = "sorted" if "sorted" in infos else "unsorted"
-        graphs, outs = {}, {}
-        for label, ks in sets.items():
+        m0 = next(iter(mods.values()))
+        x, out, a, b = m0.sets[0][:4]
+        base = out.clone()
+        outs = {}
+        for label, ks in sets.items():  # every output before any graph: the replays change the bases
             _use(ks)
-            m0 = next(iter(mods.values()))
-            x, out, a, b = m0.sets[0][:4]
-            o = out.clone()
+            o = base.clone()
             bk.apply("triton", x, o, a, b, m0.infos[order], m0.offsets)
             outs[label] = o
+        graphs = {}
+        for label, ks in sets.items():
+            _use(ks)
             graphs[label] = [common.GraphTimer(m.fns(f"triton {order}"), inner=len(m.sets)) for m in mods.values()]
-        same = all(torch.equal(o, next(iter(outs.values()))) for o in outs.values())
+        first = outs["this tree"]
         times = {label: [] for label in sets}
         for _ in range(5):
             for label in sets:
                 times[label].append(sum(g.time_us(reps=30) for g in graphs[label]))
         print(f"{case.name} ({order}): " + " | ".join(
-            f"{label} {statistics.median(ts):.1f} [{min(ts):.1f}-{max(ts):.1f}]" for label, ts in times.items())
-            + f" | bit-equal {same}")
+            f"{label} {statistics.median(ts):.1f} [{min(ts):.1f}-{max(ts):.1f}]"
+            + ("" if label == "this tree" else f" {'bit-equal' if torch.equal(outs[label], first) else 'DIFFERENT'}")
+            for label, ts in times.items()))
         _use(sets["this tree"])
         del mods, graphs
         torch.cuda.empty_cache()

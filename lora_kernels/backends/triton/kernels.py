@@ -197,9 +197,20 @@ def _slice_span(i: tl.constexpr, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES: 
 
 
 @triton.jit
+def _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, split_stride, NR, SPLIT: tl.constexpr, PAST_L1: tl.constexpr):
+    """Slice i of v for rows (the sum of SPLIT partials), columns j < rank (j_mask), 0 beyond. Read up to R (a
+    bound that keeps the loads vectorized: rank is data, R a 16-divisible argument) and selected after the sum:
+    the partials beyond rank are never written, so their garbage is dropped by the select, never added."""
+    vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j < R, split_stride, NR, SPLIT, PAST_L1)
+    return tl.where(j_mask[None, :], vt, 0.0)
+
+
+@triton.jit
 def _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT):
-    """A column tile's B block and its base_out rows."""
-    bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+    """A column tile's B block (columns j < rank, 0 beyond: loaded up to R, vectorized, then selected) and its
+    base_out rows."""
+    bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & (j < R)[None, :], other=0.0)
+    bt = tl.where(j_mask[None, :], bt, 0.0)
     base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
     return bt, base
 
@@ -231,7 +242,7 @@ def _expand_tile(v_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot6
             if WAIT:
                 while tl.atomic_add(sync_ptr + t, 0, sem="acquire") < need:  # at once after the first slice
                     pass
-            vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, num_rows * NR, NR, SPLIT, WAIT)
+            vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, num_rows * NR, NR, SPLIT, WAIT)
             vt = vt.to(b_ptr.dtype.element_ty)
             for ct in range(a, b):
                 n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)

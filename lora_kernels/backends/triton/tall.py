@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _gdc
 
-from lora_kernels.backends.triton.kernels import (_chunk, _expand_col, _load_col, _rank, _rows, _shrink_dot,
+from lora_kernels.backends.triton.kernels import (_chunk, _expand_col, _load_col, _load_v, _rank, _rows, _shrink_dot,
                                                   _slice_span, _sum_splits, _tile)
 
 GROUP = 4  # work-list tiles per tall tile: the kernels below hold one accumulator per tile
@@ -159,7 +159,7 @@ def _expand_one(v_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, 
     for i in tl.static_range(SLICES):
         ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
         if a < b:
-            vt = _sum_splits(v_ptr, rows, row_mask, i * R + j, j_mask, 0, NR, 1, False).to(b_ptr.dtype.element_ty)
+            vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, 0, NR, 1, False).to(b_ptr.dtype.element_ty)
             n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = n < hi
             bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT)
@@ -188,10 +188,10 @@ def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, 
     for i in tl.static_range(SLICES):
         ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
         if a < b:
-            v0 = _sum_splits(v_ptr, r0, m0, i * R + j, j_mask, 0, NR, 1, False).to(dt)
-            v1 = _sum_splits(v_ptr, r1, m1, i * R + j, j_mask, 0, NR, 1, False).to(dt)
-            v2 = _sum_splits(v_ptr, r2, m2, i * R + j, j_mask, 0, NR, 1, False).to(dt)
-            v3 = _sum_splits(v_ptr, r3, m3, i * R + j, j_mask, 0, NR, 1, False).to(dt)
+            v0 = _load_v(v_ptr, r0, m0, i, R, j, j_mask, 0, NR, 1, False).to(dt)
+            v1 = _load_v(v_ptr, r1, m1, i, R, j, j_mask, 0, NR, 1, False).to(dt)
+            v2 = _load_v(v_ptr, r2, m2, i, R, j, j_mask, 0, NR, 1, False).to(dt)
+            v3 = _load_v(v_ptr, r3, m3, i, R, j, j_mask, 0, NR, 1, False).to(dt)
             for ct in range(a, b):
                 n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = n < hi

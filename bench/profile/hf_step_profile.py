@@ -1,0 +1,93 @@
+"""Where an eager HF decode step spends its host time: base model against the integration (issue 14).
+
+Builds bench_hf's model (random weights), times one decode step (batch of REQUESTS rows, one new token on a
+KV cache of ~PROMPT tokens, synchronized wall time, median) for: the plain model; the integration with every row
+"__base__" (lk_no_lora); the integration with N adapters (lk_mixed). Then records one step of each under
+torch.profiler and prints the ops with the largest host (self CPU) time and the number of GPU kernels per step.
+
+    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench_hf as bh  # noqa: E402
+
+
+def _decode_step(fn, ids, device):
+    """A callable running one decode step of fn on the KV cache of ids (the cache is refilled each time)."""
+    with torch.no_grad():
+        out = fn(input_ids=ids, use_cache=True, logits_to_keep=1)
+    cache, nxt = out.past_key_values, ids[:, -1:]
+
+    def step():  # the context grows by one token per step (at most ~30 here: the same cost)
+        with torch.no_grad():
+            fn(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return step
+
+
+def _time_ms(step, device, reps=20) -> float:
+    for _ in range(3):
+        step()
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize() if device == "cuda" else None
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize() if device == "cuda" else None
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def _profile(label, step, device, top):
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    step()
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"\n## {label}: {kernels} GPU kernels/copies per step; ops by self host time")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="1b", choices=sorted(bh.SHAPES))
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from lora_kernels.integrations.hf import enable_multi_lora
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = bh.build_model(args.model, device, dtype)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, bh.SHAPES[args.model]["vocab_size"], (bh.REQUESTS, bh.PROMPT), generator=g).to(device)
+    steps = {"base": _decode_step(model, ids, device)}
+    ms = {"base": _time_ms(steps["base"], device)}
+    _profile("base", steps["base"], device, args.top)
+    pm = bh.add_peft_adapters(model, args.adapters, device)
+    mlm = enable_multi_lora(pm, num_slots=args.adapters)
+    for label, names in (("lk_no_lora", [bh.BASE] * bh.REQUESTS),
+                         (f"lk_mixed {args.adapters}", [f"ad{i % args.adapters}" for i in range(bh.REQUESTS)])):
+        with mlm.batch(names):
+            step = _decode_step(mlm.model, ids, device)
+            ms[label] = _time_ms(step, device)
+            _profile(label, step, device, args.top)
+    print("\n# decode step ms (one token, synchronized, median of 20): "
+          + ", ".join(f"{k} {v:.2f} ({100 * (v / ms['base'] - 1):+.0f}%)" for k, v in ms.items()))
+
+
+if __name__ == "__main__":
+    main()
