@@ -351,6 +351,43 @@ def test_gpu_fast_launch_reuse_and_alignment(monkeypatch):
 
 
 @GPU
+def test_gpu_fast_launch_skips_the_runner_unless_a_hook_is_registered(monkeypatch):
+    """Cached launches call Triton's C launch directly (no launch metadata, no hook calls); while a launch hook is
+    registered (a profiler) they go through the runner, so the hook sees every launch. All give the first call's
+    bits."""
+    import importlib
+
+    from triton import knobs
+
+    launch = importlib.import_module("lora_kernels.backends.triton.launch")
+    monkeypatch.setattr(launch, "FAST", True)
+    case = make_case(np.random.default_rng(17), num_slots=4, max_rank=16, slice_widths=(64, 32), in_dim=256,
+                     seg_lens=[1, 2, 1], slots=[0, 3, 1], dtype=torch.bfloat16, device="cuda")
+    plan.clear_cache()
+
+    def run():
+        out = case.base.clone()
+        lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+        return out
+
+    first = run()  # compiles and caches the launchers
+    seen = []
+    hook = seen.append
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert not launch._hooks_empty()
+        hooked = run()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) >= 2, "the registered hook saw no launch"
+    assert launch._hooks_empty()
+    direct = run()
+    assert torch.equal(hooked, first) and torch.equal(direct, first)
+    check_case(case, truth=Reference64)
+    plan.clear_cache()
+
+
+@GPU
 @pytest.mark.parametrize("shape", ["qkv", "down"])
 def test_gpu_batch_invariance(shape):
     """The same 3 rows inside decode batches of 1..256 requests (shuffled, sorted or not, eager infos and

@@ -1,0 +1,71 @@
+"""Where the eager host time of one `apply_lora` call goes (issue 19's target: <= 25 µs per call on the GPU).
+
+One decode module (qkv, r16, batch 1, bf16), as bench_kernels' eager host measurement: the median host µs of
+the whole call per backend, then of its parts on the Triton path (validation signature, backend call without
+validation, the workspace allocation, one cached kernel launch), then a cProfile of 2000 Triton calls (top
+functions by own time).
+
+    python bench/profile/host_breakdown.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+import lora_kernels as lk  # noqa: E402
+from lora_kernels import ops  # noqa: E402
+from lora_kernels.backends import triton as tb  # noqa: E402
+from lora_kernels.backends.triton import plan  # noqa: E402
+
+
+def main():
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: TRITON_INTERPRET=1 smoke run
+    S, R, K, widths = 3, 16, 4096, (4096, 1024, 1024)
+    offs = (0, 4096, 5120, 6144)
+    slots = 8
+    builder = lk.BatchInfoBuilder(1, 1, torch.full((slots,), R, dtype=torch.int32, device=dev),
+                                  torch.ones(slots, device=dev))
+    info = builder.build([1], [3])
+    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+    out = torch.randn(1, offs[-1], device=dev, dtype=torch.bfloat16)
+    a = torch.randn(slots, S * R, K, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(slots, offs[-1], R, device=dev, dtype=torch.bfloat16)
+    parts = {
+        "apply_lora triton": lambda: lk.apply_lora(x, out, a, b, info, offs, backend="triton"),
+        "apply_lora cuda": lambda: lk.apply_lora(x, out, a, b, info, offs, backend="cuda"),
+        "validation signature": lambda: ops._signature(x, out, a, b, offs),
+        "check_info + resolve_backend": lambda: (ops._check_info(info, x.device, slots, 1),
+                                                 ops.resolve_backend("triton", x.device, info)),
+        "triton backend call": lambda: tb.BACKEND.apply_lora(x, out, a, b, info, offs),
+        "torch.empty workspace": lambda: torch.empty((8, 1, S * R), dtype=torch.float32, device=dev),
+    }
+    lk.apply_lora(x, out, a, b, info, offs, backend="triton")
+    path = plan.apply_path(1, R)
+    key = ("apply", x.shape, x.dtype, a.shape, R, offs, x.device, info.max_tiles, info.permutation is not None, path)
+    recipe = plan._cache[key]  # the recipe the call above made (KeyError if this key drifts from the backend's)
+    ws = torch.empty(recipe.ws, dtype=torch.float32, device=dev)
+    work, perm = tb._work(info)
+    parts["one cached launch (shrink)"] = lambda: recipe.steps[0](x, a, ws, work, info.lora_ranks, perm)
+    for name, fn in parts.items():
+        if name == "apply_lora cuda" and (not lk.HAS_CUDA_EXT or dev.type != "cuda"):
+            continue
+        r = common.time_host_us(fn, warmup=200, reps=3000) if dev.type == "cuda" else common.time_host_us(fn, 1, 3)
+        print(f"{name:32s} {r['median_us']:7.2f} µs (p99 {r['p99_us']:.2f})")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(2000 if dev.type == "cuda" else 5):
+        lk.apply_lora(x, out, a, b, info, offs, backend="triton")
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+
+
+if __name__ == "__main__":
+    main()
