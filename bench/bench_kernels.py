@@ -346,7 +346,8 @@ def tune_candidates(keys: str = "") -> list[dict]:
              ("shrink", {"k_chunk_min": 1024}), ("shrink", {"num_stages": 4}), ("shrink", {"block_k": 64}),
              ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches
              ("expand", {"ctas_per_sm": 4}), ("expand", {"ctas_per_sm": 16}), ("expand", {"block_n": 64}),
-             ("expand", {"block_n": 256}), ("expand", {"num_stages": 3}), ("expand", {"num_warps": 8}),
+             ("expand", {"block_n": 256}), ("expand", {"num_stages": 1}), ("expand", {"num_stages": 3}),
+             ("expand", {"num_warps": 8}),  # num_stages 1: the column loop unpipelined (1-3 tiles at decode)
              ("reduce", {"min_rows": 256})]
     out = [base]
     only = [k for k in keys.split(",") if k]

@@ -26,7 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _apply(monkeypatch, base: dict, case, min_rows: int, **tall):
     monkeypatch.setattr(plan, "TABLE", {**base, "tall": {**plan.TALL_DEFAULT, **base.get("tall", {}),
-                                                         "min_rows": min_rows, **tall}})
+                                                         "min_rows": min_rows, "min_rank": 0, **tall}})
     assert plan.apply_path(case.x.shape[0], case.lora_b.shape[2])[0] == ("tall" if min_rows else "split")
     out = case.base.clone()
     lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
