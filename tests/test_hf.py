@@ -147,13 +147,21 @@ def test_outside_calls_and_remove():
         ref = pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits
         pm.set_adapter("beta")
         single = pm(input_ids=ids, attention_mask=mask).logits
+    values = {k: v.clone() for k, v in pm.state_dict().items()}
     mlm = enable_multi_lora(pm)
-    assert list(pm.state_dict()) == keys  # the module tree is unchanged
+    assert list(pm.state_dict()) == keys  # the module tree is unchanged, and its values
+    assert all(torch.equal(v, values[k]) for k, v in pm.state_dict().items())
+    attn = pm.get_base_model().model.layers[1].self_attn  # q/k/v are views of one stacked weight (one GEMM)
+    qkv = [getattr(attn, m).get_base_layer() for m in ("q_proj", "k_proj", "v_proj")]
+    assert len({lin.weight.untyped_storage().data_ptr() for lin in qkv}) == 1
+    assert len({lin.bias.untyped_storage().data_ptr() for lin in qkv}) == 1  # qwen2: q/k/v biases too
     with torch.no_grad():  # outside a MultiLoRAModel call, PEFT works as before
         assert torch.equal(pm(input_ids=ids, attention_mask=mask).logits, single)
     out = mlm(input_ids=ids, attention_mask=mask, adapter_names=["beta"] * len(ROWS)).logits
     assert rel(out, single) <= 1e-5
     mlm.remove()
+    assert len({lin.weight.untyped_storage().data_ptr() for lin in qkv}) == 3  # own storage again (saveable)
+    assert all(torch.equal(v, values[k]) for k, v in pm.state_dict().items())
     with torch.no_grad():
         assert torch.equal(pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits, ref)
     with pytest.raises(RuntimeError, match="removed"):
