@@ -3,7 +3,9 @@
 Builds bench_hf's model (random weights), times one decode step (batch of REQUESTS rows, one new token on a
 KV cache of ~PROMPT tokens, synchronized wall time, median) for: the plain model; the integration with every row
 "__base__" (lk_no_lora); the integration with N adapters (lk_mixed). Then records one step of each under
-torch.profiler and prints the ops with the largest host (self CPU) time and the number of GPU kernels per step.
+torch.profiler and prints the ops with the largest host (self CPU) time and the number of GPU kernels per step,
+and for the integration the host time per step spent inside the patched modules' forwards (of which in
+`apply_lora`).
 
     python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15]
 """
@@ -67,6 +69,42 @@ def _profile(label, step, device, top):
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
+def _inside_patched(mlm, step, reps=20) -> str:
+    """Host ms per step inside the patched modules' forwards and inside apply_lora (wrapped timers)."""
+    import functools
+    import time as _t
+
+    from lora_kernels.integrations import hf
+
+    spent = {"forward": 0.0, "apply_lora": 0.0}
+
+    def timed(fn, key):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            t0 = _t.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += _t.perf_counter() - t0
+        return run
+
+    mods = [m for m, _ in mlm._patched]
+    saved = [m.__dict__["forward"] for m in mods]
+    apply = hf.apply_lora
+    for m, f in zip(mods, saved):
+        m.forward = timed(f, "forward")
+    hf.apply_lora = timed(apply, "apply_lora")
+    try:
+        for _ in range(reps):
+            step()
+    finally:
+        hf.apply_lora = apply
+        for m, f in zip(mods, saved):
+            m.forward = f
+    return (f"host ms per step inside the patched forwards {1e3 * spent['forward'] / reps:.2f}, of which apply_lora "
+            f"{1e3 * spent['apply_lora'] / reps:.2f} ({len(mods)} patched modules)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="1b", choices=sorted(bh.SHAPES))
@@ -91,6 +129,7 @@ def main():
             step = _decode_step(mlm.model, ids, device)
             ms[label] = _time_ms(step, device)
             _profile(label, step, device, args.top)
+            print(f"# {label}: {_inside_patched(mlm, step)}")
     print("\n# decode step ms (one token, synchronized, median of 20): "
           + ", ".join(f"{k} {v:.2f} ({100 * (v / ms['base'] - 1):+.0f}%)" for k, v in ms.items()))
 

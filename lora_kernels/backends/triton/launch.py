@@ -18,14 +18,15 @@ from lora_kernels.batch_info import _raw_stream
 
 try:
     from triton import knobs as _knobs
-except ImportError:  # an older Triton: always the runner
-    _knobs = None
+
+    _RT = _knobs.runtime
+    _RT.launch_enter_hook.calls, _RT.launch_exit_hook.calls  # hook chains with a list of hooks (Triton 3.4+)
+except (ImportError, AttributeError):  # another Triton: cached launches through the runner
+    _RT = None
 
 
 def _hooks_empty() -> bool:
-    rt = getattr(_knobs, "runtime", None)
-    hooks = (getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None))
-    return rt is not None and all(h is None or not getattr(h, "calls", True) for h in hooks)
+    return _RT is not None and not (_RT.launch_enter_hook.calls or _RT.launch_exit_hook.calls)
 
 
 FAST = (os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -39,12 +40,17 @@ def launch(fn, runs: dict, tag, grid: tuple, tensors: tuple, scalars: tuple, kw:
     """
     if FAST:
         dev = tensors[0].device.index
-        key = (tag, dev, grid, *[t.data_ptr() & 15 for t in tensors])
+        ptrs = [t.data_ptr() for t in tensors]
+        key = (tag, dev, grid, *[p & 15 for p in ptrs])
         hit = runs.get(key)
         if hit is not None:
             runner, consts, run, grid3, function, meta = hit
-            if _hooks_empty():  # the C launch with no launch metadata and no hooks (None: not called)
-                run(*grid3, _raw_stream(dev), function, meta, None, None, None, *tensors, *scalars, *consts)
+            if _hooks_empty():
+                # The C launch with no launch metadata and no hooks (None: not called), and the pointers as ints:
+                # for a tensor the launcher calls data_ptr() and asks the driver about the pointer
+                # (cuPointerGetAttribute), per argument and launch; the ops validated these tensors (CUDA, this
+                # device) before.
+                run(*grid3, _raw_stream(dev), function, meta, None, None, None, *ptrs, *scalars, *consts)
             else:
                 runner(*tensors, *scalars, *consts, stream=_raw_stream(dev))
             return
