@@ -121,16 +121,16 @@ def _stack_weights(linears) -> tuple:
 
 
 def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
-    """[rows, out_total]: the group's base Linears on x plus every row's LoRA delta (one apply_lora)."""
+    """[batch, seq, out_total]: the group's base GEMM on x plus every row's LoRA delta (one apply_lora). x goes to
+    F.linear as it is and the members get plain slices of the result: in an eager decode step every extra torch
+    call (a reshape, a view) is host time, which is what the step costs."""
     if g.x is x:
         return g.out
     info = rt.info_for(x)
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    out = F.linear(x2, g.weight, g.bias)  # the group's one GEMM (stacked weights)
+    out = F.linear(x, g.weight, g.bias)  # the group's one GEMM (stacked weights); contiguous
     if info is not None:
-        apply_lora(x2, out, g.lora_a, g.lora_b, info, g.offsets, backend=rt.backend)
+        x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        apply_lora(x2, out.view(-1, out.shape[-1]), g.lora_a, g.lora_b, info, g.offsets, backend=rt.backend)
     if len(g.linears) > 1:
         g.x, g.out, g.unserved = x, out, (1 << len(g.linears)) - 1
     return out
@@ -144,13 +144,12 @@ def _member_forward(rt: "_Runtime", g: _Group, index: int, original, x, *args, *
         raise TypeError(f"a patched Linear takes only its input inside a MultiLoRAModel call, got extra arguments "
                         f"{len(args)} positional, {sorted(kwargs)} keyword")
     out = _group_output(rt, g, x)
-    lo, hi = g.offsets[index], g.offsets[index + 1]
-    if len(g.linears) > 1:
-        out = out[:, lo:hi]
-        g.unserved &= ~(1 << index)
-        if not g.unserved:  # every slice handed out: free the stacked output
-            g.x = g.out = None
-    return out.view(*x.shape[:-1], hi - lo)
+    if len(g.linears) == 1:
+        return out
+    g.unserved &= ~(1 << index)
+    if not g.unserved:  # every slice handed out: free the stacked output
+        g.x = g.out = None
+    return out[..., g.offsets[index]:g.offsets[index + 1]]
 
 
 class _Runtime:
