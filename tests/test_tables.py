@@ -2,6 +2,7 @@
 the generator writes for its own values, with the header naming the device, date and command."""
 
 import pytest
+import torch
 
 from lora_kernels.backends import auto, tables, tables_io
 
@@ -34,3 +35,17 @@ def test_auto_table_names_every_regime_with_a_known_backend():
     with pytest.raises(ValueError, match="auto table must name a backend"):
         tables_io.render(tables.TRITON_BLOCKS, {"decode": "triton"}, "x", "y")
     assert {auto.regime(type("I", (), dict(num_segments=1, num_tokens=64, max_seg_len=64))())} == {"one_segment"}
+
+
+def test_auto_choice_is_memoized_per_table(monkeypatch):
+    """auto.choose remembers its answer per (device, regime) and starts over when the table object is replaced
+    (a regenerated or patched table takes effect at once)."""
+    decode = type("I", (), dict(num_segments=4, num_tokens=4, max_seg_len=1))()
+    dev = torch.device("cuda")  # a device object only: nothing here touches a GPU
+    monkeypatch.setattr(tables, "AUTO", {**tables.AUTO, "decode": "torch"})
+    assert auto.choose(dev, decode) == "torch"
+    assert auto._memo[1][(dev, "decode")] == "torch"
+    monkeypatch.setattr(tables, "AUTO", {**tables.AUTO, "decode": "torch", "mixed": "torch"})
+    assert auto._memo[0] is not tables.AUTO
+    assert auto.choose(dev, decode) == "torch" and auto._memo[0] is tables.AUTO
+    assert auto.choose(torch.device("cpu"), decode) == "torch"

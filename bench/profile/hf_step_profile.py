@@ -7,7 +7,9 @@ torch.profiler and prints the ops with the largest host (self CPU) time and the 
 and for the integration the host time per step spent inside the patched modules' forwards (of which in
 `apply_lora`).
 
-    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15]
+    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile]
+
+--cprofile adds, for the integration's variants, a cProfile of 20 steps (Python functions by own time).
 """
 
 from __future__ import annotations
@@ -105,11 +107,25 @@ def _inside_patched(mlm, step, reps=20) -> str:
             f"{1e3 * spent['apply_lora'] / reps:.2f} ({len(mods)} patched modules)")
 
 
+def _cprofile(label, step, top, reps=20):
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        step()
+    prof.disable()
+    print(f"\n## {label}: cProfile of {reps} steps (own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="1b", choices=sorted(bh.SHAPES))
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--cprofile", action="store_true", help="also cProfile 20 steps of each integration variant")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from lora_kernels.integrations.hf import enable_multi_lora
@@ -130,6 +146,8 @@ def main():
             ms[label] = _time_ms(step, device)
             _profile(label, step, device, args.top)
             print(f"# {label}: {_inside_patched(mlm, step)}")
+            if args.cprofile:
+                _cprofile(label, step, args.top)
     print("\n# decode step ms (one token, synchronized, median of 20): "
           + ", ".join(f"{k} {v:.2f} ({100 * (v / ms['base'] - 1):+.0f}%)" for k, v in ms.items()))
 

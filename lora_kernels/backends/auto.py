@@ -21,11 +21,25 @@ def regime(info) -> str:
 
 
 def choose(device: torch.device, info=None) -> str:
-    """Never raises: falls back to Triton, then the extension, then torch, whichever can run on `device`."""
+    """Never raises: falls back to Triton, then the extension, then torch, whichever can run on `device`.
+    Memoized per (device, regime) for the current table object (an engine calls this per module and layer:
+    the availability checks cost µs of host time, and availability does not change in a process)."""
     if device.type != "cuda":
         return "torch"
-    order = ([tables.AUTO[regime(info)]] if info is not None else []) + ["triton", "cuda"]
-    for name in order:
+    if _memo[0] is not tables.AUTO:
+        _memo[0], _memo[1] = tables.AUTO, {}
+    key = (device, regime(info) if info is not None else None)
+    name = _memo[1].get(key)
+    if name is None:
+        name = _memo[1][key] = _first_available(device, ([tables.AUTO[key[1]]] if info is not None else []))
+    return name
+
+
+_memo: list = [None, {}]  # [the tables.AUTO object the memo was made for, {(device, regime): backend}]
+
+
+def _first_available(device: torch.device, preferred: list) -> str:
+    for name in preferred + ["triton", "cuda"]:
         if backends.unavailable(name, device) is None:
             return name
     return "torch"
