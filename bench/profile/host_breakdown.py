@@ -2,8 +2,9 @@
 
 One decode module (qkv, r16, batch 1, bf16), as bench_kernels' eager host measurement: the median host µs of
 the whole call per backend, then of its parts on the Triton path (validation signature, backend call without
-validation, the workspace allocation, one cached kernel launch), then a cProfile of 2000 Triton calls (top
-functions by own time).
+validation, the workspace allocation, one cached kernel launch), then the same call right after a cuBLAS GEMM as
+an engine makes it (a model's eager step measured ~2x the standalone cost there), with programmatic dependent
+launch on and off, then a cProfile of 2000 Triton calls (top functions by own time).
 
     python bench/profile/host_breakdown.py
 """
@@ -54,11 +55,27 @@ def main():
     ws = torch.empty(recipe.ws, dtype=torch.float32, device=dev)
     work, perm = tb._work(info)
     parts["one cached launch (shrink)"] = lambda: recipe.steps[0](x, a, ws, work, info.lora_ranks, perm)
+    w = torch.randn(offs[-1], K, device=dev, dtype=torch.bfloat16)
+    parts["cuBLAS GEMM (x @ W^T) alone"] = lambda: torch.nn.functional.linear(x, w)
+    parts["GEMM, then apply_lora triton"] = lambda: lk.apply_lora(x, torch.nn.functional.linear(x, w), a, b, info,
+                                                                 offs, backend="triton")
     for name, fn in parts.items():
         if name == "apply_lora cuda" and (not lk.HAS_CUDA_EXT or dev.type != "cuda"):
             continue
         r = common.time_host_us(fn, warmup=200, reps=3000) if dev.type == "cuda" else common.time_host_us(fn, 1, 3)
         print(f"{name:32s} {r['median_us']:7.2f} µs (p99 {r['p99_us']:.2f})")
+    if dev.type == "cuda":
+        import os
+
+        os.environ["LORA_KERNELS_PDL"] = "0"  # read when plans are made
+        plan.clear_cache()
+        fn = parts["GEMM, then apply_lora triton"]
+        r = common.time_host_us(fn, warmup=200, reps=3000)
+        print(f"{'GEMM, then apply_lora, PDL off':32s} {r['median_us']:7.2f} µs (p99 {r['p99_us']:.2f})")
+        r = common.time_host_us(parts["apply_lora triton"], warmup=200, reps=3000)
+        print(f"{'apply_lora triton, PDL off':32s} {r['median_us']:7.2f} µs (p99 {r['p99_us']:.2f})")
+        del os.environ["LORA_KERNELS_PDL"]
+        plan.clear_cache()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(2000 if dev.type == "cuda" else 5):
