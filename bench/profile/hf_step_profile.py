@@ -7,7 +7,7 @@ torch.profiler and prints the ops with the largest host (self CPU) time and the 
 and for the integration the host time per step spent inside the patched modules' forwards (of which in
 `apply_lora`).
 
-    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile]
+    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile] [--backends auto,cuda]
 
 --cprofile adds, for the integration's variants, a cProfile of 20 steps (Python functions by own time).
 """
@@ -126,6 +126,8 @@ def main():
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--cprofile", action="store_true", help="also cProfile 20 steps of each integration variant")
+    p.add_argument("--backends", default="auto", help="apply_lora backends for lk_mixed, comma list (auto, triton, "
+                   "cuda): the eager step is host-bound, so the backend with the cheaper call may win here")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from lora_kernels.integrations.hf import enable_multi_lora
@@ -139,8 +141,12 @@ def main():
     _profile("base", steps["base"], device, args.top)
     pm = bh.add_peft_adapters(model, args.adapters, device)
     mlm = enable_multi_lora(pm, num_slots=args.adapters)
-    for label, names in (("lk_no_lora", [bh.BASE] * bh.REQUESTS),
-                         (f"lk_mixed {args.adapters}", [f"ad{i % args.adapters}" for i in range(bh.REQUESTS)])):
+    mixed = [f"ad{i % args.adapters}" for i in range(bh.REQUESTS)]
+    runs = [("lk_no_lora", [bh.BASE] * bh.REQUESTS, None)] + [
+        (f"lk_mixed {args.adapters}" + ("" if b == "auto" else f" {b}"), mixed, None if b == "auto" else b)
+        for b in args.backends.split(",")]
+    for label, names, backend in runs:
+        mlm._rt.backend = backend
         with mlm.batch(names):
             step = _decode_step(mlm.model, ids, device)
             ms[label] = _time_ms(step, device)
