@@ -175,9 +175,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile90(fn, kw, ptrs, ints, scalings=False):
+def compile90(fn, kw, ptrs, ints, scalings=False, div16=()):
     """triton.compile of fn for sm90: pointers `ptrs` ("name:type"), work, lora_ranks, (scalings), perm_ptr, the
-    i32 `ints`, then kw's constexprs (num_warps / num_stages as options; launch_pdl dropped)."""
+    i32 `ints`, then kw's constexprs (num_warps / num_stages as options; launch_pdl dropped). div16: the ints that
+    the runtime would specialize as multiples of 16 (with them, and every pointer 16-byte aligned, the code is what
+    a GPU launch at the Llama shapes runs; without, Triton must assume scalar accesses)."""
     kw = dict(kw)
     nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
     kw.pop("launch_pdl", None)
@@ -188,8 +190,11 @@ def compile90(fn, kw, ptrs, ints, scalings=False):
     sig["perm_ptr"] = "*i32"
     sig.update({k: "i32" for k in ints})
     sig.update({k: "constexpr" for k in kw})
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": nw, "num_stages": ns})
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if div16 and (sig[n].startswith("*") or n in div16)}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "num_stages": ns})
 '''
 
 
