@@ -349,11 +349,12 @@ def tune_candidates(keys: str = "") -> list[dict]:
              ("expand", {"ctas_per_sm": 4}), ("expand", {"ctas_per_sm": 16}), ("expand", {"block_n": 64}),
              ("expand", {"block_n": 256}), ("expand", {"num_stages": 1}), ("expand", {"num_stages": 3}),
              ("expand", {"num_warps": 8}),  # num_stages 1: the column loop unpipelined (1-3 tiles at decode)
+             ("expand", {"prefetch": True}),  # the next column tile's loads in flight by hand
              ("reduce", {"min_rows": 256})]
     out = [base]
     only = [k for k in keys.split(",") if k]
     for kernel, change in knobs:
-        if (not only or kernel in only) and any(base[kernel][k] != v for k, v in change.items()):
+        if (not only or kernel in only) and any(base[kernel].get(k) != v for k, v in change.items()):
             out.append({**base, kernel: {**base[kernel], **change}})
     return out
 

@@ -205,6 +205,28 @@ def test_reduce_first(monkeypatch):
     plan.clear_cache()
 
 
+@pytest.mark.parametrize("table", ["small", "default"])
+def test_expand_prefetch_same_bits(monkeypatch, table):
+    """The expand's `prefetch` form (the next column tile's B block and base rows loaded before this one is
+    computed) writes the bits of the plain loop, with ragged column tiles, slot -1 and a permutation."""
+    base = SMALL_TABLE if table == "small" else dict(plan.TABLE)
+    rng = np.random.default_rng(14)
+    case = make_case(rng, num_slots=4, max_rank=16, ranks=[16, 7, 0, 12], slice_widths=(40, 24, 9), in_dim=96,
+                     seg_lens=[3, 18, 1, 5], slots=[0, 1, -1, 3], dtype=torch.float32, device=DEVICE, permute=True,
+                     extra_rows=2)
+    outs = []
+    for prefetch in (False, True):
+        monkeypatch.setattr(plan, "TABLE", {**base, "expand": {**base["expand"], "prefetch": prefetch}})
+        plan.clear_cache()
+        assert plan.expand_plan(case.slice_offsets, 16, torch.float32, True, 1, case.x.device).kw["PREFETCH"] is prefetch
+        out = case.base.clone()
+        lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    check_case(case)  # and the prefetch form against the reference
+    plan.clear_cache()
+
+
 def test_rank_zero_slot_untouched():
     """A slot of rank 0 (empty) behaves like slot -1: expand leaves its rows bit-identical, shrink writes 0."""
     rng = np.random.default_rng(14)

@@ -44,7 +44,8 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
                   MT, K, R, NR, OUT, num_rows, k_chunk, off1, off2, off3, t1, t2, t3,
                   HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, S_TILES: tl.constexpr, E_TILES: tl.constexpr,
                   SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_NE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_NE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     if PDL:
         _gdc.gdc_launch_dependents()
     tiles = tl.load(work)
@@ -68,7 +69,7 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, ws_ptr, sync_ptr, work, lora_ran
         if rank > 0:
             _expand_tile(ws_ptr, sync_ptr, t, S_TILES * SPLIT, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale,
                          c0, c1, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3, SPLIT, E_TILES, SLICES, BLOCK_NE,
-                         BLOCK_R, DOT_PREC, True)
+                         BLOCK_R, DOT_PREC, True, PREFETCH)
             if tl.atomic_add(sync_ptr + MT + t, c1 - c0, sem="acq_rel") + (c1 - c0) == E_TILES:
                 tl.atomic_xchg(sync_ptr + t, 0)  # the tile's last consumer: ready for the next launch
                 tl.atomic_xchg(sync_ptr + MT + t, 0)

@@ -206,13 +206,17 @@ def _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, split_stride, NR, SPLIT: tl.
 
 
 @triton.jit
-def _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT):
-    """A column tile's B block (columns j < rank, 0 beyond: loaded up to R, vectorized, then selected) and its
-    base_out rows."""
+def _load_b(b_slot, n, n_mask, j, j_mask, R):
+    """A column tile's B block, columns j < rank (0 beyond): loaded up to R, so vectorized, then selected."""
     bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & (j < R)[None, :], other=0.0)
-    bt = tl.where(j_mask[None, :], bt, 0.0)
+    return tl.where(j_mask[None, :], bt, 0.0)
+
+
+@triton.jit
+def _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT):
+    """A column tile's B block and its base_out rows."""
     base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-    return bt, base
+    return _load_b(b_slot, n, n_mask, j, j_mask, R), base
 
 
 @triton.jit
@@ -227,12 +231,15 @@ def _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DO
 def _expand_tile(v_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT,
                  num_rows, off1, off2, off3, t1, t2, t3, SPLIT: tl.constexpr, N_TILES: tl.constexpr,
                  SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
-                 WAIT: tl.constexpr):
+                 WAIT: tl.constexpr, PREFETCH: tl.constexpr):
     """Column tiles [c0, c1) of tile t: out[row, n] += scale * sum_{j<rank} v[row, i*R + j] * B[slot, n, j], v the
-    sum of SPLIT partials, loaded once per slice, then one uniform loop over the slice's column tiles (a peeled
-    first tile that loaded B before v measured 20% slower at decode on the H200: more registers). WAIT (the
+    sum of SPLIT partials, loaded once per slice, then a loop over the slice's column tiles: uniform, or with
+    PREFETCH the next column tile's B block and base rows loaded before this one is computed (two tiles in flight
+    per program, by hand: the table's num_stages 1 keeps Triton from staging them through shared memory). (A
+    peeled first tile that loaded B before v measured 20% slower at decode on the H200: more registers.) WAIT (the
     fused kernel): v's partials are written by other programs of this launch; wait until sync_ptr[t] counts
-    `need` arrivals and read v past L1. Both kernels compute with this code. The caller has passed gdc_wait."""
+    `need` arrivals and read v past L1. Every expand computes with this code (the tall one too, with its taller
+    rows). The caller has passed gdc_wait."""
     j = tl.arange(0, BLOCK_R)
     j_mask = j < rank
     b_slot = b_ptr + slot64 * OUT * R
@@ -247,11 +254,22 @@ def _expand_tile(v_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot6
                 tl.atomic_add(sync_ptr + t, 0, sem="acquire")
             vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, num_rows * NR, NR, SPLIT, WAIT)
             vt = vt.to(b_ptr.dtype.element_ty)
-            for ct in range(a, b):
-                n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+            if PREFETCH:
+                n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = n < hi
                 bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT)
-                _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
+                for ct in range(a, b):
+                    nn = n + BLOCK_N
+                    nn_mask = (nn < hi) & (ct + 1 < b)
+                    nbt, nbase = _load_col(b_slot, out_ptr, rows, row_mask, nn, nn_mask, j, j_mask, R, OUT)
+                    _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
+                    n, n_mask, bt, base = nn, nn_mask, nbt, nbase
+            else:
+                for ct in range(a, b):
+                    n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    n_mask = n < hi
+                    bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT)
+                    _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["MT", "num_rows"])
@@ -259,7 +277,7 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                    MT, R, NR, OUT, num_rows, off1, off2, off3, t1, t2, t3,
                    HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Item (tile, column tile): out[row, n] += scaling * sum_{j<rank} v[row, i*R + j] * B[slot, n, j].
 
     Column tiles of all slices are numbered 0..N_TILES (slice i owns tiles [t_i, t_{i+1}) and columns
@@ -281,7 +299,7 @@ def _expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
         if rank > 0:
             _expand_tile(v_ptr, work, t, 0, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT,
                          num_rows, off1, off2, off3, t1, t2, t3, SPLIT, N_TILES, SLICES, BLOCK_N, BLOCK_R, DOT_PREC,
-                         False)
+                         False, PREFETCH)
         t += 1
         rank, slot64, rows, row_mask, scale, c0, c1 = _expand_head(work, t, MT, start, stop, lora_ranks, scalings,
                                                                    perm_ptr, N_TILES, BLOCK_M, HAS_PERM)

@@ -151,9 +151,10 @@ def _make_expand_plan(slice_offsets, max_rank, dtype, has_perm, n_split, device)
     out_total = slice_offsets[-1]
     offs = list(slice_offsets[1:-1]) + [out_total] * (4 - len(widths))
     ts = starts[:-1] + [total] * (4 - len(widths))
+    # prefetch: the next column tile's loads in flight by hand (kernels._expand_tile); absent from older tables.
     kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, SLICES=len(widths), BLOCK_M=TILE_M, BLOCK_N=bn,
-              BLOCK_R=br, DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), num_warps=c["num_warps"],
-              num_stages=c["num_stages"])
+              BLOCK_R=br, DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), PREFETCH=bool(c.get("prefetch", False)),
+              num_warps=c["num_warps"], num_stages=c["num_stages"])
     if kw["PDL"]:
         kw["launch_pdl"] = True
     return ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
@@ -170,7 +171,8 @@ def fused_plan(sp: ShrinkPlan, ep: ExpandPlan) -> FusedPlan:
     s, e = sp.kw, ep.kw
     kw = dict(HAS_PERM=s["HAS_PERM"], SPLIT=sp.split, S_TILES=sp.n_tiles, E_TILES=ep.n_tiles, SLICES=e["SLICES"],
               BLOCK_M=TILE_M, BLOCK_NS=s["BLOCK_N"], BLOCK_K=s["BLOCK_K"], BLOCK_NE=e["BLOCK_N"], BLOCK_R=e["BLOCK_R"],
-              DOT_PREC=s["DOT_PREC"], PDL=s["PDL"], num_warps=e["num_warps"], num_stages=s["num_stages"])
+              DOT_PREC=s["DOT_PREC"], PDL=s["PDL"], PREFETCH=e["PREFETCH"], num_warps=e["num_warps"],
+              num_stages=s["num_stages"])
     if kw["PDL"]:
         kw["launch_pdl"] = True
     # Keyed by its constexprs (one compiled-launcher cache per kernel variant), not by the plans' identities.

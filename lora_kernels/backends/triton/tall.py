@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _gdc
 
-from lora_kernels.backends.triton.kernels import (_chunk, _expand_col, _load_col, _load_v, _rank, _rows, _shrink_dot,
-                                                  _slice_span, _sum_splits, _tile)
+from lora_kernels.backends.triton.kernels import (_chunk, _expand_col, _expand_tile, _load_b, _load_v, _rank, _rows,
+                                                  _shrink_dot, _slice_span, _tile)
 
 GROUP = 4  # work-list tiles per tall tile: the kernels below hold one accumulator per tile
 
@@ -147,31 +147,6 @@ def _tall_col(bt, vt, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC: 
 
 
 @triton.jit
-def _expand_one(v_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, scale, c0, c1, R, NR, OUT, off1, off2, off3,
-                t1, t2, t3, N_TILES: tl.constexpr, SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                DOT_PREC: tl.constexpr):
-    """A tall expand item, one dot per column tile (the 16-row expand's _load_col / _expand_col on all its rows);
-    the next column tile's B block and base rows are loaded before this one is computed and stored, so that
-    each program keeps two base tiles in flight (the expand is bound by base_out's DRAM traffic)."""
-    j = tl.arange(0, BLOCK_R)
-    j_mask = j < rank
-    b_slot = b_ptr + slot64 * OUT * R
-    for i in tl.static_range(SLICES):
-        ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
-        if a < b:
-            vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, 0, NR, 1, False).to(b_ptr.dtype.element_ty)
-            n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = n < hi
-            bt, base = _load_col(b_slot, out_ptr, rows, row_mask, n, n_mask, j, j_mask, R, OUT)
-            for ct in range(a, b):
-                nn = n + BLOCK_N
-                nn_mask = (nn < hi) & (ct + 1 < b)
-                nbt, nbase = _load_col(b_slot, out_ptr, rows, row_mask, nn, nn_mask, j, j_mask, R, OUT)
-                _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
-                n, n_mask, bt, base = nn, nn_mask, nbt, nbase
-
-
-@triton.jit
 def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT, off1, off2,
                  off3, t1, t2, t3, HAS_PERM: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -195,7 +170,7 @@ def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, 
             for ct in range(a, b):
                 n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = n < hi
-                bt = tl.load(b_slot + n[:, None] * R + j[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+                bt = _load_b(b_slot, n, n_mask, j, j_mask, R)
                 _tall_col(bt, v0, out_ptr, r0, m0, n, n_mask, scale, OUT, DOT_PREC)
                 _tall_col(bt, v1, out_ptr, r1, m1, n, n_mask, scale, OUT, DOT_PREC)
                 _tall_col(bt, v2, out_ptr, r2, m2, n, n_mask, scale, OUT, DOT_PREC)
@@ -210,7 +185,7 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
                         ONE_DOT: tl.constexpr):
     """Item (tile, column tile) of a leading tile: out[row, n] += scaling * v[row, i*R:(i+1)*R] B[slot, n, :]ᵀ for
     the rows of its tall tile; v (reduced, SPLIT 1) is loaded once per slice of the program's chunk of the tile.
-    ONE_DOT: one dot of 4 * BLOCK_M rows per column tile, the next tile's loads in flight (_expand_one)."""
+    ONE_DOT: one dot of 4 * BLOCK_M rows per column tile, the next tile's loads in flight (_expand_tile)."""
     if PDL:
         _gdc.gdc_launch_dependents()
         _gdc.gdc_wait()
@@ -222,9 +197,12 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
         c0, c1 = tl.maximum(start - t * N_TILES, 0), tl.minimum(stop - t * N_TILES, N_TILES)
         if leads & (rank > 0):
             if ONE_DOT:
+                # The 16-row expand's code on all the tall tile's rows, with the next column tile's loads in flight
+                # (the expand is bound by base_out's DRAM traffic); v is reduced (SPLIT 1), nothing to wait for.
                 rows, row_mask = _rows(perm_ptr, row0, lim, 4 * BLOCK_M, HAS_PERM)
-                _expand_one(v_ptr, b_ptr, out_ptr, rows, row_mask, slot64, rank, tl.load(scalings + slot64), c0, c1, R,
-                            NR, OUT, off1, off2, off3, t1, t2, t3, N_TILES, SLICES, BLOCK_N, BLOCK_R, DOT_PREC)
+                _expand_tile(v_ptr, work, t, 0, b_ptr, out_ptr, rows, row_mask, slot64, rank, tl.load(scalings + slot64),
+                             c0, c1, R, NR, OUT, 0, off1, off2, off3, t1, t2, t3, 1, N_TILES, SLICES, BLOCK_N, BLOCK_R,
+                             DOT_PREC, False, True)
             else:
                 _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT,
                              off1, off2, off3, t1, t2, t3, HAS_PERM, N_TILES, SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
