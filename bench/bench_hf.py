@@ -18,10 +18,14 @@ CUDA graphs, no torch.compile, the default sdpa attention):
 prefill_ms: one forward over the 32x128 prompt tokens filling the KV cache, logits of the last position only
 (logits_to_keep=1, as generate does); median wall time (synchronized). decode_ms: one decode step at a
 context of ~128 tokens, from greedy generate: (t(1 + K new tokens) - t(1 new token)) / K, median, so every
-variant pays the same generate loop per step. Overheads are against base; speedup is peft_mixed / lk_mixed.
+variant pays the same generate loop per step. step_ms: the model's forward alone for one decode step (32 rows, one
+new token each) on a KV cache of the prompt, cropped back after every step so that each sees the same shapes;
+median of synchronized steps (20; PEFT's mixed batch 3) inside one adapter context, as generate runs them: the
+stricter figure (no generate loop in the denominator) and a steadier one (the generate difference moves by
+milliseconds between runs). Overheads are against base; speedup is peft_mixed / lk_mixed.
 A correctness line compares lk_mixed's last-position logits with peft_mixed's (‖diff‖/‖ref‖ <= 1e-2 in bf16).
-Targets (issue 14), at 32 adapters: lk_mixed adds <= 15% to base decode, <= 10% to base prefill, and is >= 20x
-faster than peft_mixed.
+Targets (issue 14), at 32 adapters: lk_mixed adds <= 15% to base decode (checked on step_ms and on decode_ms), <=
+10% to base prefill, and is >= 20x faster than peft_mixed.
 
     python bench/bench_hf.py [--models 1b,8b] [--quick] [--json out.jsonl]     (~2-3 min on an H100/H200)
     python bench/bench_hf.py --models tiny --quick                               (CPU smoke run, seconds)
@@ -29,6 +33,7 @@ faster than peft_mixed.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -108,14 +113,35 @@ def wall_ms(fn, device, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def measure(call, gen, ids, mask, device, reps: int, steps: int) -> dict:
-    """prefill_ms and decode_ms of one variant; call(**kw) is its forward, gen(**kw) its generate."""
+def decode_step(fn, ids):
+    """A callable running one decode step of fn (a forward taking input_ids, past_key_values, ...) on the KV cache
+    of ids; after each step the cache is cropped back to the prompt, so every step sees the same shapes (a new
+    length makes cuDNN attention build a plan: milliseconds of host time)."""
+    with torch.no_grad():
+        out = fn(input_ids=ids, use_cache=True, logits_to_keep=1)
+    cache, nxt, length = out.past_key_values, ids[:, -1:], ids.shape[1]
+
+    def step():
+        with torch.no_grad():
+            fn(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        try:  # older transformers crop to a length, newer ones by a negative count
+            cache.crop(length)
+        except ValueError:
+            cache.crop(-1)
+    return step
+
+
+def measure(call, gen, ids, mask, device, reps: int, steps: int, forward=None, context=contextlib.nullcontext) -> dict:
+    """prefill_ms, decode_ms and step_ms of one variant; call(**kw) is its forward, gen(**kw) its generate;
+    forward (default: call) is what a decode step runs inside context() (the adapter context generate keeps)."""
     with torch.no_grad():
         prefill = wall_ms(lambda: call(input_ids=ids, attention_mask=mask, logits_to_keep=1), device, reps)
     kw = dict(input_ids=ids, attention_mask=mask, do_sample=False)
     one = wall_ms(lambda: gen(max_new_tokens=1, min_new_tokens=1, **kw), device, reps)
     many = wall_ms(lambda: gen(max_new_tokens=1 + steps, min_new_tokens=1 + steps, **kw), device, reps)
-    return {"prefill_ms": prefill, "decode_ms": (many - one) / steps}
+    with context():
+        step_ms = wall_ms(decode_step(forward or call, ids), device, 20 if reps > 1 else 3, warmup=3)
+    return {"prefill_ms": prefill, "decode_ms": (many - one) / steps, "step_ms": step_ms}
 
 
 def run_shape(shape: str, counts: list[int], device: str, quick: bool) -> list[dict]:
@@ -149,11 +175,11 @@ def run_shape(shape: str, counts: list[int], device: str, quick: bool) -> list[d
     no_lora = [BASE] * REQUESTS
     rows.append({"variant": "lk_no_lora", "adapters": 0, **measure(
         lambda **kw: mlm(adapter_names=no_lora, **kw), lambda **kw: mlm.generate(adapter_names=no_lora, **kw), ids,
-        mask, device, *fast)})
+        mask, device, *fast, forward=mlm.model, context=lambda: mlm.batch(no_lora))})
     for n, names in batches.items():
         row = {"variant": "lk_mixed", "adapters": n, "n": n, **measure(
             lambda **kw: mlm(adapter_names=names, **kw), lambda **kw: mlm.generate(adapter_names=names, **kw), ids,
-            mask, device, *fast)}
+            mask, device, *fast, forward=mlm.model, context=lambda: mlm.batch(names))}
         out = mlm(input_ids=ids, attention_mask=mask, adapter_names=names, logits_to_keep=1).logits.float()
         row["logits_rel_err"] = err = ((out - refs[n]).norm() / refs[n].norm()).item()
         print(f"  {n} adapters: lk_mixed vs peft_mixed last-position logits, ||diff|| / ||peft||: {err:.2e} "
@@ -172,6 +198,7 @@ def finish(rows: list[dict], shape: str) -> None:
     for r in rows:
         r.update(model=NAMES[shape], rank=R, requests=REQUESTS, prompt=PROMPT, cuda_graphs=False)
         r["decode_overhead_%"] = 100 * (r["decode_ms"] / base["decode_ms"] - 1)
+        r["step_overhead_%"] = 100 * (r["step_ms"] / base["step_ms"] - 1)
         r["prefill_overhead_%"] = 100 * (r["prefill_ms"] / base["prefill_ms"] - 1)
     for r in rows:
         if r["variant"] == "lk_mixed":
@@ -182,14 +209,17 @@ def finish(rows: list[dict], shape: str) -> None:
 
 def report(rows: list[dict]) -> None:
     common.print_table(rows, ["model", "variant", "adapters", "prefill_ms", "prefill_overhead_%", "decode_ms",
-                              "decode_overhead_%", "prefill_speedup_vs_peft_mixed", "decode_speedup_vs_peft_mixed"])
+                              "decode_overhead_%", "step_ms", "step_overhead_%", "prefill_speedup_vs_peft_mixed",
+                              "decode_speedup_vs_peft_mixed"])
     for r in rows:
         if r["variant"] == "lk_mixed" and r["n"] == 32:
-            ok = (r["decode_overhead_%"] <= 15, r["prefill_overhead_%"] <= 10, r["decode_speedup_vs_peft_mixed"] >= 20)
-            print(f"{r['model']}, 32 adapters: decode +{r['decode_overhead_%']:.1f}% (target <= 15%: "
-                  f"{'met' if ok[0] else 'MISSED'}), prefill +{r['prefill_overhead_%']:.1f}% (<= 10%: "
-                  f"{'met' if ok[1] else 'MISSED'}), decode {r['decode_speedup_vs_peft_mixed']:.1f}x faster than "
-                  f"PEFT mixed (>= 20x: {'met' if ok[2] else 'MISSED'})")
+            ok = (max(r["decode_overhead_%"], r["step_overhead_%"]) <= 15, r["prefill_overhead_%"] <= 10,
+                  r["decode_speedup_vs_peft_mixed"] >= 20)
+            print(f"{r['model']}, 32 adapters: decode +{r['decode_overhead_%']:.1f}% (generate) / "
+                  f"+{r['step_overhead_%']:.1f}% (step) (target <= 15%: {'met' if ok[0] else 'MISSED'}), prefill "
+                  f"+{r['prefill_overhead_%']:.1f}% (<= 10%: {'met' if ok[1] else 'MISSED'}), decode "
+                  f"{r['decode_speedup_vs_peft_mixed']:.1f}x faster than PEFT mixed (>= 20x: "
+                  f"{'met' if ok[2] else 'MISSED'})")
 
 
 def main():

@@ -295,3 +295,25 @@ def test_gpu_more_adapters_than_slots():
         assert torch.equal(allres(input_ids=ids, attention_mask=mask, adapter_names=rows).logits, out)
         assert torch.equal(allres.generate(input_ids=ids, attention_mask=mask, adapter_names=rows, max_new_tokens=4,
                                            do_sample=False), gen)
+
+
+def test_bench_hf_smoke(tmp_path):
+    """bench/bench_hf.py on the tiny shape (CPU, fp32): every variant is timed (prefill, generate decode and the
+    fixed-context step), and the integration's mixed-batch logits equal PEFT's."""
+    import json
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = tmp_path / "hf.jsonl"
+    proc = subprocess.run([sys.executable, str(root / "bench" / "bench_hf.py"), "--models", "tiny", "--quick",
+                           "--adapters", "2,4", "--json", str(out)], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=root / "bench")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["variant"], r["adapters"]) for r in rows} == {
+        ("base", 0), ("peft_single", 1), ("peft_mixed", 2), ("peft_mixed", 4), ("lk_no_lora", 0), ("lk_mixed", 2),
+        ("lk_mixed", 4)}
+    assert all(r["prefill_ms"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert all(r["logits_rel_err"] <= 1e-5 for r in rows if r["variant"] == "lk_mixed")

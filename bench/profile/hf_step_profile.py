@@ -27,24 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_hf as bh  # noqa: E402
 
 
-def _decode_step(fn, ids, device):
-    """A callable running one decode step of fn on the KV cache of ids (the cache is refilled each time)."""
-    with torch.no_grad():
-        out = fn(input_ids=ids, use_cache=True, logits_to_keep=1)
-    cache, nxt, length = out.past_key_values, ids[:, -1:], ids.shape[1]
-
-    def step():
-        with torch.no_grad():
-            fn(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        # Back to the prompt's length: every step sees the same shapes (a new length makes cuDNN attention build
-        # a plan, milliseconds of host time). Older transformers crop to a length, newer ones by a negative count.
-        try:
-            cache.crop(length)
-        except ValueError:
-            cache.crop(-1)
-    return step
-
-
 def _time_ms(step, device, reps=20) -> float:
     for _ in range(10):
         step()
@@ -136,7 +118,7 @@ def main():
     model = bh.build_model(args.model, device, dtype)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, bh.SHAPES[args.model]["vocab_size"], (bh.REQUESTS, bh.PROMPT), generator=g).to(device)
-    steps = {"base": _decode_step(model, ids, device)}
+    steps = {"base": bh.decode_step(model, ids)}
     ms = {"base": _time_ms(steps["base"], device)}
     _profile("base", steps["base"], device, args.top)
     pm = bh.add_peft_adapters(model, args.adapters, device)
@@ -148,7 +130,7 @@ def main():
     for label, names, backend in runs:
         mlm._rt.backend = backend
         with mlm.batch(names):
-            step = _decode_step(mlm.model, ids, device)
+            step = bh.decode_step(mlm.model, ids)
             ms[label] = _time_ms(step, device)
             _profile(label, step, device, args.top)
             print(f"# {label}: {_inside_patched(mlm, step)}")
