@@ -48,17 +48,20 @@ CASES = [  # (seg_lens, in_dim, widths, max_rank, permute): split-K or not, one 
 ]
 
 
-@pytest.mark.parametrize("table", ["default", "small"])
+@pytest.mark.parametrize("table", ["default", "small", "small-prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k", range(len(CASES)))
 def test_fused_equals_two_launches_and_reference(monkeypatch, table, dtype, k):
-    if table == "small" and dtype != torch.float32:
+    """small-prefetch: the expand's prefetch form, in both paths (the fused one waits, then prefetches)."""
+    if table != "default" and dtype != torch.float32:
         pytest.skip("the tiny table reaches the same paths in fp32 (the interpreter is slow)")
     seg_lens, in_dim, widths, max_rank, permute = CASES[k]
     rng = np.random.default_rng([k, dtype.itemsize])
     case = make_case(rng, num_slots=5, max_rank=max_rank, slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens,
                      dtype=dtype, device=DEVICE, permute=permute, extra_rows=2)
-    base = SMALL_TABLE if table == "small" else dict(plan.TABLE)
+    base = dict(plan.TABLE) if table == "default" else SMALL_TABLE
+    if table == "small-prefetch":
+        base = {**base, "expand": {**base["expand"], "prefetch": True}}
     _set(monkeypatch, base, OFF)
     two = _apply(case)
     _set(monkeypatch, base, ON)
