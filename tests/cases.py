@@ -170,9 +170,26 @@ def batch_rows(rng, n, num_slots, target_slots):
 # Prepended to every compile_for_sm90 script: compile90 builds an SGMV kernel's signature (its pointers, then the
 # work-list pointers, then its i32 scalars, then the constexprs of kw) and compiles it for sm90.
 SM90_COMPILE = r'''
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from lora_kernels.backends.triton import plan as _plan
+
+LLAMA_MODULES = [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336)), (1, 64, 14336, (4096,))]
+
+
+def llama_plans(has_perm, expand_split=None, modules=LLAMA_MODULES):
+    """(S, R, shrink plan, slice offsets, expand plan) of Llama-3-8B modules (S slices, rank R), bf16; the expand
+    sums the shrink's split count of partials unless expand_split says otherwise."""
+    cpu = torch.device("cpu")
+    for S, R, in_dim, widths in modules:
+        sp = _plan.shrink_plan(in_dim, S, R, torch.bfloat16, has_perm, cpu)
+        offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
+        ep = _plan.expand_plan(offs, R, torch.bfloat16, has_perm, sp.split if expand_split is None else expand_split,
+                               cpu)
+        yield S, R, sp, offs, ep
 
 
 def compile90(fn, kw, ptrs, ints, scalings=False, div16=()):

@@ -470,13 +470,9 @@ def test_jit_functions_take_no_default_arguments():
 
 _VECTOR_AOT = r'''
 import json, re
-import torch
-from lora_kernels.backends.triton import kernels, plan
+from lora_kernels.backends.triton import kernels
 out = []
-for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336))]:
-    sp = plan.shrink_plan(in_dim, S, R, torch.bfloat16, True, torch.device("cpu"))
-    offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
-    ep = plan.expand_plan(offs, R, torch.bfloat16, True, sp.split, torch.device("cpu"))
+for S, R, sp, offs, ep in llama_plans(True, modules=LLAMA_MODULES[:2]):
     k = compile90(kernels._expand_kernel, {**ep.kw, "PDL": True}, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
                   ("MT", "R", "NR", "OUT", "num_rows", "off1", "off2", "off3", "t1", "t2", "t3"), scalings=True,
                   div16=("R", "NR", "OUT", "off1", "off2", "off3"))

@@ -101,13 +101,9 @@ def test_fused_grid_checks(monkeypatch):
 
 _AOT = r'''
 import json
-import torch
 from lora_kernels.backends.triton import fused, kernels, plan
 out = []
-for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336)), (1, 64, 14336, (4096,))]:
-    sp = plan.shrink_plan(in_dim, S, R, torch.bfloat16, False, torch.device("cpu"))
-    offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
-    ep = plan.expand_plan(offs, R, torch.bfloat16, False, sp.split, torch.device("cpu"))
+for S, R, sp, offs, ep in llama_plans(False):
     fp = plan.fused_plan(sp, ep)
     k = compile90(fused._fused_kernel, {**fp.kw, "PDL": True},
                   ("x_ptr:bf16", "a_ptr:bf16", "b_ptr:bf16", "out_ptr:bf16", "ws_ptr:fp32", "sync_ptr:i32"),

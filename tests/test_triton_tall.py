@@ -129,13 +129,9 @@ def test_gpu_tall_bits_llama_prefill(monkeypatch, rank, shape, one_dot):
 
 _AOT = r'''
 import json
-import torch
 from lora_kernels.backends.triton import kernels, plan, tall
 out = []
-for S, R, in_dim, widths in [(3, 16, 4096, (4096, 1024, 1024)), (2, 64, 4096, (14336, 14336)), (1, 64, 14336, (4096,))]:
-    sp = plan.shrink_plan(in_dim, S, R, torch.bfloat16, True, torch.device("cpu"))
-    offs = (0,) + tuple(int(sum(widths[:i + 1])) for i in range(len(widths)))
-    ep = plan.expand_plan(offs, R, torch.bfloat16, True, 1, torch.device("cpu"))
+for S, R, sp, offs, ep in llama_plans(True, expand_split=1):
     tp = plan.tall_plan(sp, ep, S * R)
     jobs = [(fn, {**kw, "ONE_DOT": one}, ptrs, ints) for one in (False, True) for fn, kw, ptrs, ints in (
             (tall._tall_shrink_kernel, tp.shrink_kw, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
