@@ -305,7 +305,9 @@ def test_bench_hf_smoke(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # CPU even on a GPU machine: the bench runs bf16 on CUDA, and this checks the fp32 bound.
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "hf.jsonl"
     proc = subprocess.run([sys.executable, str(root / "bench" / "bench_hf.py"), "--models", "tiny", "--quick",
                            "--adapters", "2,4", "--json", str(out)], capture_output=True, text=True, env=env,

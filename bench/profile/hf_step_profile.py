@@ -9,7 +9,7 @@ and for the integration the host time per step spent inside the patched modules'
 
     python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile] [--backends auto,cuda]
 
---cprofile adds, for the integration's variants, a cProfile of 20 steps (Python functions by own time).
+--cprofile adds, for every variant, a cProfile of 20 steps (Python functions by own time).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main():
     p.add_argument("--model", default="1b", choices=sorted(bh.SHAPES))
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--cprofile", action="store_true", help="also cProfile 20 steps of each integration variant")
+    p.add_argument("--cprofile", action="store_true", help="also cProfile 20 steps of each variant")
     p.add_argument("--backends", default="auto", help="apply_lora backends for lk_mixed, comma list (auto, triton, "
                    "cuda): the eager step is host-bound, so the backend with the cheaper call may win here")
     args = p.parse_args()
@@ -121,6 +121,8 @@ def main():
     steps = {"base": bh.decode_step(model, ids)}
     ms = {"base": _time_ms(steps["base"], device)}
     _profile("base", steps["base"], device, args.top)
+    if args.cprofile:
+        _cprofile("base", steps["base"], args.top)
     pm = bh.add_peft_adapters(model, args.adapters, device)
     mlm = enable_multi_lora(pm, num_slots=args.adapters)
     mixed = [f"ad{i % args.adapters}" for i in range(bh.REQUESTS)]

@@ -246,13 +246,16 @@ def _expand_tile(v_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot6
     for i in tl.static_range(SLICES):
         ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
         if a < b:
+            v_rows = row_mask
             if WAIT:  # at once after the first slice
                 # Polled with plain (volatile) loads, then one acquire: a read-modify-write per poll from every
-                # waiting program would contend with the arrivals on the counter's L2 line.
+                # waiting program would contend with the arrivals on the counter's L2 line. v's loads take the
+                # acquire's result in their mask (always true): Triton 3.6 drops an atomic whose result is unused,
+                # and the dependence keeps the loads after it.
                 while tl.load(sync_ptr + t, volatile=True) < need:
                     pass
-                tl.atomic_add(sync_ptr + t, 0, sem="acquire")
-            vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, num_rows * NR, NR, SPLIT, WAIT)
+                v_rows = row_mask & (tl.atomic_add(sync_ptr + t, 0, sem="acquire") >= need)
+            vt = _load_v(v_ptr, rows, v_rows, i, R, j, j_mask, num_rows * NR, NR, SPLIT, WAIT)
             vt = vt.to(b_ptr.dtype.element_ty)
             if PREFETCH:
                 n = lo + (a - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
