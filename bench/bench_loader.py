@@ -11,15 +11,14 @@
    workers reading N adapters at once (aggregate GB/s). Targets (issue 20): <= 3 ms at rank 8, <= 10.5 ms
    at rank 64, from the page cache, on the GPU machine.
 2. Load time and GB/s of `AdapterLoader.load_async` (32 layers) at ranks 8/16/64 into a pool of the same
-   max rank, and r=16 into an R=64 pool (B via staging, scattered on a side stream while A copies; by the
-   copy engine, the default, and by kernels),
+   max rank, and r=16 into an R=64 pool (B via staging, scattered on a side stream while A copies),
    against the measured pinned H2D bandwidth and two baselines (pageable per-tensor `tensor.to(cuda)`,
    per-tensor pinned `copy_`). gpu_us: device time of the load (events on the load stream, enqueued behind
    a GPU sleep); wall_us: host call until the copies completed; host_us: the call alone. Target: >= 90%.
 3. Overlap: loads on the load stream while the compute stream runs bf16 GEMMs for longer than the loads;
    hidden = (T_load + T_compute - T_both) / T_load, slowdown = T_both / T_compute - 1 (targets >= 90%,
    <= 5%). Variants tell why compute slows: the loader at r = R (pure copies), r < R (plus scatter
-   kernels, or copy-engine 2-D copies: `AdapterLoader(scatter=...)`), one raw copy of the same bytes (copy engine only, one launch), a device-to-device copy of the
+   kernels), one raw copy of the same bytes (copy engine only, one launch), a device-to-device copy of the
    same bytes (HBM traffic without PCIe), and as many 256-byte copies as the loader issues (command and
    launch cost without bytes). Everything is enqueued behind a GPU sleep, so both streams start together
    on the device and host launch time shows up in neither figure (the earlier bench let 8 loads' ~5 ms
@@ -210,20 +209,18 @@ def run_host(args, reps: int) -> list[dict]:
 
 # ---- 2. loads -------------------------------------------------------------------------------------------
 
-def setup(rank: int, max_rank: int, backend: str = "auto", num_slots: int = 1, num_ids: int = 2,
-          scatter: str = "auto"):
+def setup(rank: int, max_rank: int, backend: str = "auto", num_slots: int = 1, num_ids: int = 2):
     """A pool and `num_ids` ids of one random adapter: alternating them makes every load a real one."""
     w = AdapterWeights.random(SPEC, rank, DTYPE, seed=rank, device="cuda")
     pool = GpuAdapterPool(SPEC, num_slots=num_slots, max_rank=max_rank, dtype=DTYPE, device="cuda")
     store = HostAdapterStore(SPEC, DTYPE)
     for i in range(num_ids):
         store.register(f"x{i}", w)
-    return w, pool, store, AdapterLoader(pool, store, backend=backend, scatter=scatter)
+    return w, pool, store, AdapterLoader(pool, store, backend=backend)
 
 
-def bench_loads(rank: int, max_rank: int, reps: int, ceiling: float, backend: str = "auto",
-                scatter: str = "auto") -> dict:
-    w, pool, store, loader = setup(rank, max_rank, backend, scatter=scatter)
+def bench_loads(rank: int, max_rank: int, reps: int, ceiling: float, backend: str = "auto") -> dict:
+    w, pool, store, loader = setup(rank, max_rank, backend)
     nbytes = store.get("x0").payload_bytes
     state = {"i": 0}
 
@@ -242,8 +239,7 @@ def bench_loads(rank: int, max_rank: int, reps: int, ceiling: float, backend: st
     torch.cuda.synchronize()
     size_ceiling = common.h2d_bandwidth_gbs(nbytes)
     gbs = nbytes / t_dev["gpu_us"] / 1e3
-    method = f"loader ({backend})" if rank == max_rank else f"loader ({backend}, {loader.scatter} scatter)"
-    row = {"kind": "load", "method": method, "rank": rank, "pool_rank": max_rank, "MB": nbytes / 1e6,
+    row = {"kind": "load", "method": f"loader ({backend})", "rank": rank, "pool_rank": max_rank, "MB": nbytes / 1e6,
            "gpu_us": t_dev["gpu_us"], "gpu_us_with_enqueue": t["gpu_us"], "wall_us": t["wall_us"],
            "host_us": statistics.median(host), "GB/s": gbs,
            "wall_GB/s": nbytes / t["wall_us"] / 1e3, "pct_h2d": 100 * gbs / ceiling,
@@ -291,8 +287,8 @@ def _overlap_variants(num_loads: int) -> dict:
     from lora_kernels.adapters import batched_h2d_copy
 
     out = {}
-    for rank, R, scatter in ((16, 16, "auto"), (16, 64, "kernel"), (16, 64, "copy_engine")):
-        _, pool, store, loader = setup(rank, R, num_slots=num_loads, num_ids=num_loads, scatter=scatter)
+    for rank, R in ((16, 16), (16, 64)):
+        _, pool, store, loader = setup(rank, R, num_slots=num_loads, num_ids=num_loads)
 
         def loads(loader=loader):
             for i in range(num_loads):  # the previous round's loads completed (synchronized): free them
@@ -300,8 +296,7 @@ def _overlap_variants(num_loads: int) -> dict:
             for i in range(num_loads):
                 loader.load_async(f"x{i}")
 
-        name = ("loader r=R (copies only)" if rank == R else "loader r<R (+ scatter kernels)" if scatter == "kernel"
-                else "loader r<R (+ copy-engine scatter)")
+        name = "loader r=R (copies only)" if rank == R else "loader r<R (+ scatter kernels)"
         out[name] = (loads, loader.load_stream, store.get("x0").payload_bytes * num_loads)
         if rank == R:
             copies = len(loader._issuer.sources(store.get("x0"))) * num_loads
@@ -383,7 +378,7 @@ def bench_overlap(reps: int, num_loads: int = 8) -> list[dict]:
                "hidden_pct": hidden, "compute_slowdown_pct": slowdown,
                # compute time lost per unit of transfer time: comparable across variants of different lengths
                "lost_per_transfer_pct": 100 * (t_c_both - t_compute) / t_load[name]}
-        if name.startswith("loader r=R") or name.endswith("copy-engine scatter)"):
+        if name.startswith("loader r=R"):
             row.update(rank=16, loads=num_loads, target_pct=90.0, target_slowdown_pct=5.0,
                        met=hidden >= 90.0 and slowdown <= 5.0)
         rows.append(row)
@@ -409,7 +404,6 @@ def main() -> None:
     for rank, max_rank in ((8, 8), (16, 16), (64, 64), (16, 64)):
         loads.append(bench_loads(rank, max_rank, reps, ceiling))
         torch.cuda.empty_cache()
-    loads.append(bench_loads(16, 64, reps, ceiling, scatter="kernel"))
     loads.append(bench_loads(16, 16, reps, ceiling, backend="torch"))
     for r in loads:
         r["h2d_GB/s"] = ceiling

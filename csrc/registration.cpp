@@ -27,9 +27,6 @@ TORCH_LIBRARY(lora_kernels, m) {
       "Tensor? permutation, int[] slice_offsets, int max_tiles, Tensor(a!) out) -> ()");
   // dsts[i].copy_(srcs[i]) for pinned host srcs, all on the current stream, in one call.
   m.def("batched_h2d_copy(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
-  // dst.copy_(src) for 2-D / 3-D tensors of contiguous rows (any row pitch), src on dst's device or pinned
-  // host: one cudaMemcpy2DAsync per leading index on the current stream (the copy engine, no SM work).
-  m.def("copy_rows(Tensor src, Tensor(a!) dst) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
@@ -37,15 +34,11 @@ TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
   m.impl("sgmv_expand", &lora_kernels::sgmv_expand);
   m.impl("sgmv_apply", &lora_kernels::sgmv_apply);
   m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
-  m.impl("copy_rows", &lora_kernels::copy_rows);
 }
 
 // On CPU tensors the copy op only rejects its inputs (a CPU destination is a plain copy_ for the caller);
 // this gives CI, which has no GPU, a real C++ error path to test: a TORCH_CHECK must raise, not crash.
-TORCH_LIBRARY_IMPL(lora_kernels, CPU, m) {
-  m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
-  m.impl("copy_rows", &lora_kernels::copy_rows);
-}
+TORCH_LIBRARY_IMPL(lora_kernels, CPU, m) { m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy); }
 
 extern "C" {
 PyObject* PyInit__C(void) {

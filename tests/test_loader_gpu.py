@@ -19,7 +19,7 @@ SPEC = ModelSpec(layers=2, hidden=64, intermediate=96, num_heads=4, num_kv_heads
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: far longer than any load below
 
 
-def _setup(num_slots, max_rank, adapters, dtype=torch.bfloat16, backend="auto", stale=True, scatter="auto"):
+def _setup(num_slots, max_rank, adapters, dtype=torch.bfloat16, backend="auto", stale=True):
     pool = GpuAdapterPool(SPEC, num_slots, max_rank, dtype, "cuda")
     if stale:  # loads must not rely on zeroed slots
         for layer in range(SPEC.layers):
@@ -29,21 +29,20 @@ def _setup(num_slots, max_rank, adapters, dtype=torch.bfloat16, backend="auto", 
     store = HostAdapterStore(SPEC, dtype)
     for name, w in adapters.items():
         store.register(name, w)
-    return pool, store, AdapterLoader(pool, store, backend=backend, scatter=scatter)
+    return pool, store, AdapterLoader(pool, store, backend=backend)
 
 
 
-@pytest.mark.parametrize("backend,scatter", [("auto", "copy_engine"), ("auto", "kernel"), ("torch", "auto")])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("rank", [16, 5])
-def test_loaded_data_bit_exact(backend, scatter, rank):
+def test_loaded_data_bit_exact(backend, rank):
     if backend == "auto" and not lk.HAS_CUDA_EXT:
         pytest.skip("extension not built")
     ws = {"full": AdapterWeights.random(SPEC, rank, seed=1),
           "attn": AdapterWeights.random(SPEC, rank, seed=2, groups=("qkv_proj", "o_proj")),
           "full2": AdapterWeights.random(SPEC, rank, seed=3),
           "mlp": AdapterWeights.random(SPEC, rank, seed=4, groups=("gate_up_proj", "down_proj"))}
-    pool, store, loader = _setup(2, 16, ws, backend=backend, scatter=scatter)
-    assert loader.scatter == ("kernel" if backend == "torch" else scatter)
+    pool, store, loader = _setup(2, 16, ws, backend=backend)
     for name in ["full", "attn", "full2", "mlp", "full", "attn", "mlp"]:  # each load evicts the LRU slot
         loader.acquire([name])
         torch.cuda.current_stream().synchronize()
@@ -69,60 +68,6 @@ def test_batched_h2d_copy_op():
         batched_h2d_copy([torch.ones(10)], [dst], side)
     with pytest.raises(ValueError, match=r"^srcs\[0\] has 40 bytes \(\(10,\) torch.float32\) but dsts\[0\] has 36"):
         batched_h2d_copy([src], [dst[:9]], side, backend="torch")
-
-
-def test_copy_rows_op():
-    """copy_rows = copy_ for strided rows: device to device (3-D, a slot's first r columns of every layer, as
-    the loader scatters) and pinned host to device (2-D), on a side stream; bytes beyond the rows untouched."""
-    if not lk.HAS_CUDA_EXT:
-        pytest.skip("extension not built")
-    copy_rows = torch.ops.lora_kernels.copy_rows.default
-    flat = torch.randn(3 * 1100, device="cuda", dtype=torch.bfloat16)
-    stacked = flat.as_strided((3, 4, 50, 16), (1100, 50 * 16, 16, 1))  # [layers, slots, out, R], padded layers
-    before = flat.clone()
-    src = torch.randn(3, 50, 5, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        copy_rows(src, stacked[:, 2, :, :5])
-    torch.cuda.current_stream().wait_stream(side)
-    want = before.clone()
-    want.as_strided((3, 4, 50, 16), (1100, 50 * 16, 16, 1))[:, 2, :, :5] = src
-    assert torch.equal(flat, want)
-    host = torch.randn(7, 3, dtype=torch.float32).pin_memory()
-    dst = torch.randn(7, 8, device="cuda")
-    keep = dst.clone()
-    copy_rows(host, dst[:, 2:5])
-    keep[:, 2:5] = host.cuda()
-    assert torch.equal(dst, keep)
-
-
-_COPY_ROWS_ERRORS = """
-import torch, lora_kernels
-d = torch.zeros(4, 8, device="cuda")
-for s, t in ((torch.ones(4, 3), d[:, :3]), (torch.ones(4, 3, device="cuda"), d[:, :4]),
-             (torch.ones(4, 3, device="cuda", dtype=torch.half), d[:, :3]), (torch.ones(4, 3, device="cuda"), d.t()[:4, :3])):
-    try:
-        torch.ops.lora_kernels.copy_rows.default(s, t)
-    except RuntimeError as e:
-        print(str(e).splitlines()[0])
-"""
-
-
-def test_copy_rows_op_errors_raise():
-    if not lk.HAS_CUDA_EXT:
-        pytest.skip("extension not built")
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, "-c", _COPY_ROWS_ERRORS], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    lines = res.stdout.splitlines()
-    assert len(lines) == 4, lines
-    assert lines[0].startswith("copy_rows: src must be on dst's device (cuda:0) or in pinned host memory, got cpu (not pinned)"), lines
-    assert lines[1].startswith("copy_rows: src shape [4, 3] differs from dst shape [4, 4]"), lines
-    assert lines[2].startswith("copy_rows: src dtype Half differs from dst dtype Float"), lines
-    assert lines[3].startswith("copy_rows: rows must be contiguous"), lines
 
 
 _OP_ERRORS = """

@@ -19,6 +19,4 @@ void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
 
 void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts);
 
-void copy_rows(const at::Tensor& src, const at::Tensor& dst);
-
 }  // namespace lora_kernels

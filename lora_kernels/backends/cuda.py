@@ -73,10 +73,6 @@ def _register_fakes() -> None:
     def _copy_fake(srcs, dsts):
         return None
 
-    @torch.library.register_fake("lora_kernels::copy_rows")
-    def _copy_rows_fake(src, dst):
-        return None
-
 
 BACKEND = CudaBackend()
 if HAS_CUDA_EXT:
