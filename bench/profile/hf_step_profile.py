@@ -15,6 +15,8 @@ and for the integration the host time per step spent inside the patched modules'
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import statistics
 import sys
 import time
@@ -27,17 +29,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_hf as bh  # noqa: E402
 
 
-def _time_ms(step, device, reps=20) -> float:
+def _time_ms(step, device, reps=20, gc_off=False) -> float:
     for _ in range(10):
         step()
     ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize() if device == "cuda" else None
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize() if device == "cuda" else None
-        ts.append((time.perf_counter() - t0) * 1e3)
+    if gc_off:
+        gc.collect()
+        gc.disable()
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize() if device == "cuda" else None
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize() if device == "cuda" else None
+            ts.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        gc.enable()
     return statistics.median(ts)
+
+
+def _interleaved(variants, device, rounds) -> dict:
+    """label -> per-round medians; every variant once per round (with Python's cyclic GC on, then off), so that a
+    slow phase of the machine lands on all alike."""
+    out = {}
+    for _ in range(rounds):
+        for label, (enter, step) in variants.items():
+            with enter():
+                for gc_off in (False, True):
+                    out.setdefault(label + (" gc off" if gc_off else ""), []).append(_time_ms(step, device, 20, gc_off))
+    return out
 
 
 def _profile(label, step, device, top):
@@ -110,6 +130,7 @@ def main():
     p.add_argument("--cprofile", action="store_true", help="also cProfile 20 steps of each variant")
     p.add_argument("--backends", default="auto", help="apply_lora backends for lk_mixed, comma list (auto, triton, "
                    "cuda): the eager step is host-bound, so the backend with the cheaper call may win here")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median and range over rounds)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from lora_kernels.integrations.hf import enable_multi_lora
@@ -118,6 +139,8 @@ def main():
     model = bh.build_model(args.model, device, dtype)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, bh.SHAPES[args.model]["vocab_size"], (bh.REQUESTS, bh.PROMPT), generator=g).to(device)
+    # A second, untouched model for the interleaved base timing (the first gets PEFT and the integration).
+    plain = bh.build_model(args.model, device, dtype)
     steps = {"base": bh.decode_step(model, ids)}
     ms = {"base": _time_ms(steps["base"], device)}
     _profile("base", steps["base"], device, args.top)
@@ -140,6 +163,20 @@ def main():
                 _cprofile(label, step, args.top)
     print("\n# decode step ms (one token, synchronized, median of 20): "
           + ", ".join(f"{k} {v:.2f} ({100 * (v / ms['base'] - 1):+.0f}%)" for k, v in ms.items()))
+    variants = {"base": (contextlib.nullcontext, bh.decode_step(plain, ids))}
+    for label, names, backend in runs:
+        def enter(names=names, backend=backend):
+            mlm._rt.backend = backend
+            return mlm.batch(names)
+        with enter():
+            variants[label] = (enter, bh.decode_step(mlm.model, ids))
+    res = _interleaved(variants, device, args.rounds)
+    base = statistics.median(res["base"])
+    print(f"# interleaved, {args.rounds} rounds (median of the rounds' medians of 20 steps [min, max]), base on a second "
+          f"untouched model:")
+    for label, v in res.items():
+        m = statistics.median(v)
+        print(f"#   {label:<24} {m:7.2f} ms [{min(v):.2f}, {max(v):.2f}]  {100 * (m / base - 1):+6.1f}% over base")
 
 
 if __name__ == "__main__":
