@@ -227,6 +227,7 @@ def bench_loads(rank: int, max_rank: int, reps: int, ceiling: float, backend: st
     def load():
         state["i"] += 1
         loader.load_async(f"x{state['i'] % 2}")
+        loader.wait_loads(loader.load_stream)  # the end event below then marks the load's end (scatter included)
 
     t = common.time_span_us(load, loader.load_stream, warmup=2, reps=reps)  # host enqueue included
     t_dev = common.time_span_us(load, loader.load_stream, warmup=1, reps=reps, hold_cycles=HOLD_CYCLES)
@@ -295,6 +296,7 @@ def _overlap_variants(num_loads: int) -> dict:
                 loader.unload(f"x{i}")
             for i in range(num_loads):
                 loader.load_async(f"x{i}")
+            loader.wait_loads(loader.load_stream)  # the variant's end event marks the last load's end
 
         name = "loader r=R (copies only)" if rank == R else "loader r<R (+ scatter kernels)"
         out[name] = (loads, loader.load_stream, store.get("x0").payload_bytes * num_loads)

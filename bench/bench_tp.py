@@ -170,6 +170,7 @@ def load_costs(full_w: AdapterWeights, folder: Path, tp_rank: int, tp_size: int,
     def load():
         state["i"] += 1
         loader.load_async(f"x{state['i'] % 2}")
+        loader.wait_loads(loader.load_stream)
 
     t = common.time_span_us(load, loader.load_stream, warmup=1, reps=reps, hold_cycles=HOLD_CYCLES)
     host = []

@@ -128,6 +128,46 @@ def test_evict_reload_never_changes_inflight_batch(backend, rank):
     check_slot(pool, slot, ws["B"])
 
 
+def test_loads_below_pool_rank_never_queue_behind_their_scatters():
+    """r < R: a load's B rows are scattered on the side stream. Back-to-back loads must not wait for those scatters
+    (the copies finish while the side stream is held), yet a staging buffer is rewritten only after the scatter that
+    read it (5 loads through the 2 buffers, scatters held far behind: every slot still gets its own bytes)."""
+    ws = {f"a{i}": AdapterWeights.random(SPEC, 5, seed=10 + i) for i in range(5)}
+    pool, store, loader = _setup(5, 16, ws)
+    side = loader._issuer.scatter_stream
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    for name in ("a0", "a1"):
+        loader.load_async(name)
+    copied = torch.cuda.Event()
+    copied.record(loader.load_stream)
+    copied.synchronize()  # the two loads' copies are done ...
+    assert not loader.is_ready("a0") and not loader.is_ready("a1")  # ... their scatters still wait behind the sleep
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    for name in ("a2", "a3", "a4"):  # a2 reuses a0's buffer, a3 a1's, a4 a2's
+        loader.load_async(name)
+    loader.acquire(list(ws))
+    torch.cuda.synchronize()
+    for name, w in ws.items():
+        check_slot(pool, loader.slot_of(name), w)
+    loader.release(list(ws))
+
+
+def test_wait_loads_orders_a_stream_after_every_load():
+    ws = {"A": AdapterWeights.random(SPEC, 5, seed=7), "B": AdapterWeights.random(SPEC, 16, seed=8)}
+    pool, store, loader = _setup(2, 16, ws)
+    with torch.cuda.stream(loader._issuer.scatter_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    slots = [loader.load_async("A"), loader.load_async("B")]
+    loader.wait_loads()  # the current stream now waits for both (A's end is on the side stream)
+    got = [pool.lora_b[1]["qkv_proj"][s].clone() for s in slots]
+    torch.cuda.synchronize()
+    for s, name, g in zip(slots, "AB", got):
+        assert torch.equal(g, pool.lora_b[1]["qkv_proj"][s]), name
+    check_slot(pool, slots[0], ws["A"])
+
+
 def test_acquire_orders_compute_after_load():
     ws = {"A": AdapterWeights.random(SPEC, 16, seed=5)}
     pool, store, loader = _setup(1, 16, ws)

@@ -10,7 +10,10 @@ Eviction picks the least recently used slot that is neither acquired nor still l
 query, never a wait). A load copies the header (rank, scaling) and the blocks with `batched_h2d_copy`
 following the copy plan of `layout.py`; when the adapter's rank r is below the pool's R, B blocks land in
 a device staging buffer first and one strided copy per group scatters them into the slot on a side
-stream while the A blocks are still copying (the load stream waits for the scatters only at its end);
+stream while the A blocks are still copying. The load's completion event is recorded on the scatter stream
+after both; the load stream never waits for a scatter except to reuse a staging buffer (two of them,
+alternating): a scatter kernel can queue behind compute kernels for a whole GEMM, and loads issued back to
+back must not queue with it;
 groups the adapter does not target get their A rows zeroed. With a CPU pool every copy is synchronous
 and no events exist. Not thread-safe: call it from the scheduler's thread.
 
@@ -35,16 +38,21 @@ from lora_kernels.adapters.pool import GpuAdapterPool
 _PLAN_CACHE_MAX = 512
 
 
+_STAGING_BUFFERS = 2  # a load's B copies go to the buffer whose scatter is the older one
+
+
 class _CopyIssuer:
     """Issues one load's copies (the layout's copy plan) on the load stream; owns the plan cache, the
-    device staging buffer and the scatter stream."""
+    device staging buffers and the scatter stream."""
 
     def __init__(self, pool: GpuAdapterPool, load_stream, backend: str):
         self.pool, self.load_stream, self.backend = pool, load_stream, backend
         # High priority: the scatter kernels are a load's only SM work; queued behind a compute kernel's CTAs they
         # would end the load long after its copies (H200: 73.9% of the load hidden at r < R against 99.3% at r = R).
         self.scatter_stream = (torch.cuda.Stream(pool.device, priority=-1) if load_stream is not None else None)
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor] = []
+        self._staging_free: list[torch.cuda.Event | None] = [None] * _STAGING_BUFFERS  # its last scatter's end
+        self._staging_next = 0
         self._dst_plans: dict = {}
 
     def sources(self, packed: PackedAdapter) -> list[torch.Tensor]:
@@ -55,11 +63,11 @@ class _CopyIssuer:
             plan = packed.plans[R] = lay.source_views(packed.blocks, packed.buffer, self.pool.spec, R)
         return plan
 
-    def dests(self, slot: int, packed: PackedAdapter) -> lay.DestPlan:
-        key = (slot, packed.rank, packed.layout)
+    def dests(self, slot: int, packed: PackedAdapter, buf: int = 0) -> lay.DestPlan:
+        key = (slot, packed.rank, packed.layout, buf)
         plan = self._dst_plans.get(key)
         if plan is None:
-            staging = self._staging_buffer() if packed.rank < self.pool.max_rank else None
+            staging = self._staging_buffer(buf) if packed.rank < self.pool.max_rank else None
             plan = lay.dest_plan(packed.blocks, self.pool, slot, staging)
             if len(self._dst_plans) >= _PLAN_CACHE_MAX:
                 self._dst_plans.clear()
@@ -68,7 +76,10 @@ class _CopyIssuer:
 
     def issue(self, slot: int, packed: PackedAdapter, waits: Iterable[torch.cuda.Event]):
         """Enqueues the load; returns its completion event (None for a CPU pool: the copies are done)."""
-        srcs, plan = self.sources(packed), self.dests(slot, packed)
+        buf = 0
+        if packed.rank < self.pool.max_rank and self.load_stream is not None:
+            buf, self._staging_next = self._staging_next, (self._staging_next + 1) % _STAGING_BUFFERS
+        srcs, plan = self.sources(packed), self.dests(slot, packed, buf)
         if self.load_stream is None:
             batched_h2d_copy(srcs, plan.dsts, backend=self.backend, check=False)
             self._scatter_and_zero(plan)
@@ -77,25 +88,34 @@ class _CopyIssuer:
         with torch.cuda.stream(stream):
             for ev in waits:
                 stream.wait_event(ev)
+            if not plan.scatter:
+                batched_h2d_copy(srcs, plan.dsts, stream, backend=self.backend, check=False)
+                for t in plan.zero:
+                    t.zero_()
+                done = torch.cuda.Event(enable_timing=True)  # timing: serve-sim charges the load's span
+                done.record(stream)
+                return done
+            if self._staging_free[buf] is not None:  # the scatter that last read this buffer
+                stream.wait_event(self._staging_free[buf])
             k = plan.split
             batched_h2d_copy(srcs[:k], plan.dsts[:k], stream, backend=self.backend, check=False)
-            scattered = None
-            if plan.scatter:  # on the side stream, while the A blocks below are copying
-                staged = torch.cuda.Event()
-                staged.record(stream)
-                self.scatter_stream.wait_event(staged)
-                with torch.cuda.stream(self.scatter_stream):
-                    for dst, src in plan.scatter:
-                        dst.copy_(src)
-                    scattered = torch.cuda.Event()
-                    scattered.record(self.scatter_stream)
+            staged = torch.cuda.Event()
+            staged.record(stream)
             batched_h2d_copy(srcs[k:], plan.dsts[k:], stream, backend=self.backend, check=False)
             for t in plan.zero:
                 t.zero_()
-            if scattered is not None:
-                stream.wait_event(scattered)
-            done = torch.cuda.Event()
-            done.record(stream)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        side = self.scatter_stream
+        with torch.cuda.stream(side):  # the scatters run while the A blocks above are copying
+            side.wait_event(staged)
+            for dst, src in plan.scatter:
+                dst.copy_(src)
+            free = self._staging_free[buf] = torch.cuda.Event()
+            free.record(side)
+            side.wait_event(copied)
+            done = torch.cuda.Event(enable_timing=True)  # timing: serve-sim charges the load's span
+            done.record(side)
         return done
 
     @staticmethod
@@ -105,16 +125,17 @@ class _CopyIssuer:
         for t in plan.zero:
             t.zero_()
 
-    def _staging_buffer(self) -> torch.Tensor:
-        """Device room for every B block of an adapter of rank < R (allocated once, used only in load order)."""
-        if self._staging is None:
+    def _staging_buffer(self, buf: int) -> torch.Tensor:
+        """Device room for every B block of an adapter of rank < R (allocated on first use; buffer `buf` is
+        rewritten only after the scatter that last read it, an event the load stream waits on)."""
+        while len(self._staging) <= buf:
             n = lay.staging_numel(self.pool.spec, self.pool.max_rank)
             if self.load_stream is not None:
                 with torch.cuda.stream(self.load_stream):
-                    self._staging = torch.empty(n, dtype=self.pool.dtype, device=self.pool.device)
+                    self._staging.append(torch.empty(n, dtype=self.pool.dtype, device=self.pool.device))
             else:
-                self._staging = torch.empty(n, dtype=self.pool.dtype)
-        return self._staging
+                self._staging.append(torch.empty(n, dtype=self.pool.dtype))
+        return self._staging[buf]
 
 
 class _SlotTable:
@@ -158,6 +179,19 @@ class _SlotTable:
 
     def loading_ids(self) -> list[Hashable]:
         return [a for a, s in self._slot_of.items() if self.is_loading(s)]
+
+    def load_event(self, adapter_id: Hashable) -> torch.cuda.Event | None:
+        """The completion event (timing enabled) of the adapter's load while it is in flight, else None."""
+        slot = self._slot_of.get(adapter_id)
+        return None if slot is None or not self.is_loading(slot) else self._load_event[slot]
+
+    def wait_loads(self, stream=None) -> None:
+        """Makes `stream` (default: the current one) wait, on the GPU, for every load still in flight (a load's
+        end is not on the load stream when its B rows are scattered on the side stream)."""
+        for slot in list(self._pending):
+            ev = self._load_event[slot]
+            if ev is not None:
+                (stream or torch.cuda.current_stream(self.pool.device)).wait_event(ev)
 
     def in_use_ids(self) -> list[Hashable]:
         return [a for a, s in self._slot_of.items() if self._refs[s] > 0]

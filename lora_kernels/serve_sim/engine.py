@@ -201,10 +201,13 @@ class ModelEngine:
                 self.loader.load_async(load.key, victim=load.victim, packed=p)
                 load.h2d = time.thread_time() - t0
                 continue
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0 = torch.cuda.Event(enable_timing=True)
             e0.record(stream)
             self.loader.load_async(load.key, victim=load.victim, packed=p)
-            e1.record(stream)
+            e1 = self.loader.load_event(load.key)  # the load's end (after its B scatter when r < R)
+            if e1 is None:  # already complete: nothing was copied
+                e1 = torch.cuda.Event(enable_timing=True)
+                e1.record(stream)
             load.h2d = (e0, e1)
         if gate is not None and gate[0].query():  # the GPU passed the gate before the copies were queued
             self.timer.unfed_loads += 1
