@@ -132,8 +132,16 @@ def test_loads_below_pool_rank_never_queue_behind_their_scatters():
     """r < R: a load's B rows are scattered on the side stream. Back-to-back loads must not wait for those scatters
     (the copies finish while the side stream is held), yet a staging buffer is rewritten only after the scatter that
     read it (5 loads through the 2 buffers, scatters held far behind: every slot still gets its own bytes)."""
-    ws = {f"a{i}": AdapterWeights.random(SPEC, 5, seed=10 + i) for i in range(5)}
-    pool, store, loader = _setup(5, 16, ws)
+    ws = {f"a{i}": AdapterWeights.random(SPEC, 5, seed=10 + i) for i in range(5)} | {
+        "w": AdapterWeights.random(SPEC, 5, seed=9)}
+    pool, store, loader = _setup(6, 16, ws)
+    for name in ws:  # packed (pinned) now, and both staging buffers allocated: the loads below only enqueue
+        store.get(name)
+    loader.acquire(["w"])
+    loader.load_async("a4")
+    torch.cuda.synchronize()
+    loader.release(["w"])
+    loader.unload("a4")
     side = loader._issuer.scatter_stream
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -147,11 +155,12 @@ def test_loads_below_pool_rank_never_queue_behind_their_scatters():
         torch.cuda._sleep(SLEEP_CYCLES)
     for name in ("a2", "a3", "a4"):  # a2 reuses a0's buffer, a3 a1's, a4 a2's
         loader.load_async(name)
-    loader.acquire(list(ws))
+    names = [f"a{i}" for i in range(5)]
+    loader.acquire(names)
     torch.cuda.synchronize()
-    for name, w in ws.items():
-        check_slot(pool, loader.slot_of(name), w)
-    loader.release(list(ws))
+    for name in names:
+        check_slot(pool, loader.slot_of(name), ws[name])
+    loader.release(names)
 
 
 def test_wait_loads_orders_a_stream_after_every_load():
