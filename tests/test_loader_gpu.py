@@ -150,7 +150,8 @@ def test_loads_below_pool_rank_never_queue_behind_their_scatters():
     copied = torch.cuda.Event()
     copied.record(loader.load_stream)
     copied.synchronize()  # the two loads' copies are done ...
-    assert not loader.is_ready("a0") and not loader.is_ready("a1")  # ... their scatters still wait behind the sleep
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # under the tool the host's enqueue can outlast the hold
+        assert not loader.is_ready("a0") and not loader.is_ready("a1")  # ... their scatters still wait behind it
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)
     for name in ("a2", "a3", "a4"):  # a2 reuses a0's buffer, a3 a1's, a4 a2's
