@@ -2,12 +2,13 @@
 
 Builds bench_hf's model (random weights), times one decode step (batch of REQUESTS rows, one new token on a
 KV cache of ~PROMPT tokens, synchronized wall time, median) for: the plain model; the integration with every row
-"__base__" (lk_no_lora); the integration with N adapters (lk_mixed). Then records one step of each under
-torch.profiler and prints the ops with the largest host (self CPU) time and the number of GPU kernels per step,
+"__base__" (lk_no_lora); the integration with N adapters (lk_mixed), interleaved over --rounds, Python's GC on
+and off, base on a second untouched model. Only then (a process that has run torch.profiler times every later
+step slower) records one step of each under torch.profiler and prints the ops with the largest host (self CPU) time and the number of GPU kernels per step,
 and for the integration the host time per step spent inside the patched modules' forwards (of which in
 `apply_lora`).
 
-    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile] [--backends auto,cuda]
+    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile] [--backends auto,cuda] [--no-profile]
 
 --cprofile adds, for every variant, a cProfile of 20 steps (Python functions by own time).
 """
@@ -131,6 +132,7 @@ def main():
     p.add_argument("--backends", default="auto", help="apply_lora backends for lk_mixed, comma list (auto, triton, "
                    "cuda): the eager step is host-bound, so the backend with the cheaper call may win here")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median and range over rounds)")
+    p.add_argument("--no-profile", action="store_true", help="the interleaved timing only")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from lora_kernels.integrations.hf import enable_multi_lora
@@ -141,35 +143,26 @@ def main():
     ids = torch.randint(3, bh.SHAPES[args.model]["vocab_size"], (bh.REQUESTS, bh.PROMPT), generator=g).to(device)
     # A second, untouched model for the interleaved base timing (the first gets PEFT and the integration).
     plain = bh.build_model(args.model, device, dtype)
-    steps = {"base": bh.decode_step(model, ids)}
-    ms = {"base": _time_ms(steps["base"], device)}
-    _profile("base", steps["base"], device, args.top)
-    if args.cprofile:
-        _cprofile("base", steps["base"], args.top)
     pm = bh.add_peft_adapters(model, args.adapters, device)
     mlm = enable_multi_lora(pm, num_slots=args.adapters)
     mixed = [f"ad{i % args.adapters}" for i in range(bh.REQUESTS)]
     runs = [("lk_no_lora", [bh.BASE] * bh.REQUESTS, None)] + [
         (f"lk_mixed {args.adapters}" + ("" if b == "auto" else f" {b}"), mixed, None if b == "auto" else b)
         for b in args.backends.split(",")]
-    for label, names, backend in runs:
-        mlm._rt.backend = backend
-        with mlm.batch(names):
-            step = bh.decode_step(mlm.model, ids)
-            ms[label] = _time_ms(step, device)
-            _profile(label, step, device, args.top)
-            print(f"# {label}: {_inside_patched(mlm, step)}")
-            if args.cprofile:
-                _cprofile(label, step, args.top)
-    print("\n# decode step ms (one token, synchronized, median of 20): "
-          + ", ".join(f"{k} {v:.2f} ({100 * (v / ms['base'] - 1):+.0f}%)" for k, v in ms.items()))
-    variants = {"base": (contextlib.nullcontext, bh.decode_step(plain, ids))}
-    for label, names, backend in runs:
-        def enter(names=names, backend=backend):
+
+    def enter_for(names, backend):
+        def enter():
             mlm._rt.backend = backend
             return mlm.batch(names)
+        return enter
+
+    variants = {"base": (contextlib.nullcontext, bh.decode_step(plain, ids))}
+    for label, names, backend in runs:
+        enter = enter_for(names, backend)
         with enter():
             variants[label] = (enter, bh.decode_step(mlm.model, ids))
+    # Timed first: once torch.profiler has run in a process, every later step measured slower there (H200: the same
+    # base step 10.7 ms before the first profile, 17-29 ms after), so no figure is taken after a profile.
     res = _interleaved(variants, device, args.rounds)
     base = statistics.median(res["base"])
     print(f"# interleaved, {args.rounds} rounds (median of the rounds' medians of 20 steps [min, max]), base on a second "
@@ -177,6 +170,18 @@ def main():
     for label, v in res.items():
         m = statistics.median(v)
         print(f"#   {label:<24} {m:7.2f} ms [{min(v):.2f}, {max(v):.2f}]  {100 * (m / base - 1):+6.1f}% over base")
+    if args.no_profile:
+        return
+    _profile("base", variants["base"][1], device, args.top)
+    if args.cprofile:
+        _cprofile("base", variants["base"][1], args.top)
+    for label, _, _ in runs:
+        enter, step = variants[label]
+        with enter():
+            _profile(label, step, device, args.top)
+            print(f"# {label}: {_inside_patched(mlm, step)}")
+            if args.cprofile:
+                _cprofile(label, step, args.top)
 
 
 if __name__ == "__main__":
