@@ -320,8 +320,10 @@ def test_bad_weights_missing(folder):
 def test_store_rejects_rank_above_pool(made):
     spec = _spec()
     store = HostAdapterStore(spec, torch.float32, max_rank=4)
-    store.register_path("x", made[0]["qv_rslora"][0])
     path = made[0]["qv_rslora"][0] / "adapter_model.safetensors"
-    with pytest.raises(AdapterFormatError, match="^" + re.escape(f"adapter 'x': {path}: tensor {Q_A!r} has rank 8, "
-                                                                 f"above the pool's max rank 4") + "$"):
+    want = "^" + re.escape(f"adapter 'x': {path}: tensor {Q_A!r} has rank 8, above the pool's max rank 4") + "$"
+    with pytest.raises(AdapterFormatError, match=want):  # checked when registered ...
+        store.register_path("x", made[0]["qv_rslora"][0])
+    store.register_path("x", made[0]["qv_rslora"][0], check=False)
+    with pytest.raises(AdapterFormatError, match=want):  # ... and when read
         store.get("x")
