@@ -8,6 +8,7 @@ so every one moves the logits far more than the tolerance (checked).
 import copy
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -319,3 +320,29 @@ def test_bench_hf_smoke(tmp_path):
         ("lk_mixed", 4)}
     assert all(r["prefill_ms"] > 0 and r["step_ms"] > 0 for r in rows)
     assert all(r["logits_rel_err"] <= 1e-5 for r in rows if r["variant"] == "lk_mixed")
+
+
+def test_default_backend_per_phase(monkeypatch):
+    """backend=None: decode steps (one position per row) on the cuda backend where it is built and the pool is on
+    CUDA, other forwards on auto; an explicit backend or LORA_KERNELS_BACKEND applies to every forward."""
+    from lora_kernels.integrations import hf
+
+    rt = hf._Runtime.__new__(hf._Runtime)
+    rt.pool = types.SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(hf, "HAS_CUDA_EXT", True)
+    monkeypatch.delenv("LORA_KERNELS_BACKEND", raising=False)
+    rt.set_backend(None)
+    assert (rt.backend, rt.decode_backend) == (None, "cuda")
+    rt.set_backend("triton")
+    assert (rt.backend, rt.decode_backend) == ("triton", "triton")
+    monkeypatch.setenv("LORA_KERNELS_BACKEND", "triton")
+    rt.set_backend(None)
+    assert (rt.backend, rt.decode_backend) == (None, None)
+    monkeypatch.delenv("LORA_KERNELS_BACKEND")
+    monkeypatch.setattr(hf, "HAS_CUDA_EXT", False)
+    rt.set_backend(None)
+    assert rt.decode_backend is None
+    monkeypatch.setattr(hf, "HAS_CUDA_EXT", True)
+    rt.pool = types.SimpleNamespace(device=torch.device("cpu"))
+    rt.set_backend(None)
+    assert rt.decode_backend is None

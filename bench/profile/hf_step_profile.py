@@ -8,7 +8,7 @@ step slower) records one step of each under torch.profiler and prints the ops wi
 and for the integration the host time per step spent inside the patched modules' forwards (of which in
 `apply_lora`).
 
-    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile] [--backends auto,cuda] [--no-profile]
+    python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile] [--backends default,auto,cuda] [--no-profile]
 
 --cprofile adds, for every variant, a cProfile of 20 steps (Python functions by own time).
 """
@@ -129,8 +129,8 @@ def main():
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--cprofile", action="store_true", help="also cProfile 20 steps of each variant")
-    p.add_argument("--backends", default="auto", help="apply_lora backends for lk_mixed, comma list (auto, triton, "
-                   "cuda): the eager step is host-bound, so the backend with the cheaper call may win here")
+    p.add_argument("--backends", default="default,auto", help="apply_lora backends for lk_mixed, comma list (default: "
+                   "the integration's own choice; auto, triton, cuda: that backend for every forward)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median and range over rounds)")
     p.add_argument("--no-profile", action="store_true", help="the interleaved timing only")
     args = p.parse_args()
@@ -147,12 +147,11 @@ def main():
     mlm = enable_multi_lora(pm, num_slots=args.adapters)
     mixed = [f"ad{i % args.adapters}" for i in range(bh.REQUESTS)]
     runs = [("lk_no_lora", [bh.BASE] * bh.REQUESTS, None)] + [
-        (f"lk_mixed {args.adapters}" + ("" if b == "auto" else f" {b}"), mixed, None if b == "auto" else b)
-        for b in args.backends.split(",")]
+        (f"lk_mixed {args.adapters} {b}", mixed, None if b == "default" else b) for b in args.backends.split(",")]
 
     def enter_for(names, backend):
         def enter():
-            mlm._rt.backend = backend
+            mlm._rt.set_backend(backend)
             return mlm.batch(names)
         return enter
 
