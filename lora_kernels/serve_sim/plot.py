@@ -87,9 +87,11 @@ def plot_stats(stats: list[dict], path: str, title: str = "") -> None:
 def plot_report(report, path: str) -> list[str]:
     """The load plot at `path` and one timeline picture per popularity beside it; returns the paths written."""
     c = report.config
+    stats = report.stats
+    seeds = min((s["seeds"] for s in stats), default=0)  # those run (a time budget can end the grid early)
     title = (f"{c.model} x{c.spec().layers} layers, {len(report.adapter_ranks)} adapters over {c.slots} slots; "
-             f"median and 95% CI over {c.seeds} seeds ({c.device}, {c.backend})")
-    plot_stats(report.stats, path, title)
+             f"median and 95% CI over {seeds} seeds ({c.device}, {c.backend})")
+    plot_stats(stats, path, title)
     written = [path]
     stem = Path(path)
     for dist in report.results:
