@@ -20,6 +20,8 @@ the machine lands on all alike); median and range over the rounds:
     fused       lk.lora_linear(mode="fused"): shrink, then a Triton GEMM with the expand in its epilogue
                 (persistent, TMA loads on sm90+)
     fused_ptr   the same with the pointer-load (non-persistent) Triton GEMM
+    X+carve     (--carveout N) base, overlap or delta with N SMs kept from cuBLAS: does a GEMM that leaves SMs
+                free let the side stream's LoRA run beside it? (diagnostic; never a table mode)
 
 Also the eager host µs per qkv call of each variant at decode bs16 (validation + launches, no sync).
 
@@ -58,6 +60,8 @@ TARGETS = {16: {"decode1": 8, "decode16": 12, "decode64": 25, "decode256": 25, "
            64: {"decode1": 10, "decode16": 35, "decode64": 65, "decode256": 65, "prefill8": 8}}
 MODE_OF = {"apply": "serial", "overlap": "overlap", "delta": "delta", "fused": "fused", "fused_ptr": "fused"}
 ALL_VARIANTS = ("base", "apply", "overlap", "delta", "fused", "fused_ptr")
+CARVE_VARIANTS = ("base+carve", "overlap+carve", "delta+carve")  # with --carveout N: diagnostics, not modes
+CARVEOUT = 0
 
 
 def fused_available() -> bool:
@@ -96,8 +100,24 @@ def offsets(scale: int) -> dict:
             for m, (_, ws) in MODULES.items()}
 
 
+def carved(run, sms: int):
+    """run() with `sms` SMs kept from cuBLAS (torch's SM carve-out): the side stream's LoRA kernels then find SMs
+    the base GEMM does not hold. Set around the call, so it is in force while a graph captures it."""
+    def wrapped():
+        prev = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
+            run()
+        finally:
+            torch._C._set_sm_carveout_experimental(prev)
+    return wrapped
+
+
 def variant_fn(name: str, copy: LayerCopy, info, offs: dict, only: str | None = None):
-    """A callable running the whole layer (four modules; or module `only`) in variant `name` on one copy."""
+    """A callable running the whole layer (four modules; or module `only`) in variant `name` on one copy; a name
+    ending in "+carve" runs the same with CARVEOUT SMs kept from cuBLAS (`--carveout`)."""
+    if name.endswith("+carve"):
+        return carved(variant_fn(name.removesuffix("+carve"), copy, info, offs, only), CARVEOUT)
     mods = [(copy.mods[m], offs[m]) for m in MODULES if only in (None, m)]
     if name == "base":
         def run():
@@ -291,6 +311,8 @@ def main():
     p.add_argument("--per-module", action="store_true", help="also time each module alone (more captures)")
     p.add_argument("--write-table", type=Path, default=None, help="write the auto-mode table module here")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script (tiny shapes, eager, no timing)")
+    p.add_argument("--carveout", type=int, default=0, help="also time base, overlap and delta with this many SMs "
+                   "kept from cuBLAS (torch._C._set_sm_carveout_experimental), free for the side stream's LoRA")
     args = p.parse_args()
     smoke = args.smoke or not torch.cuda.is_available()
     args.smoke = smoke
@@ -303,6 +325,10 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     wanted = set(args.variants.split(",")) | {"base", "apply"}
     variants = [v for v in ALL_VARIANTS if v in wanted and (not v.startswith("fused") or fused_available())]
+    if args.carveout:
+        global CARVEOUT
+        CARVEOUT = args.carveout
+        variants += [v for v in CARVE_VARIANTS if v.removesuffix("+carve") in variants]
     bw = 1.0 if smoke else common.copy_bandwidth_gbs()
     print(f"# {common.device_name()}, copy bandwidth {bw:.0f} GB/s, bf16, graph replay, {args.rounds} interleaved "
           f"rounds, variants {variants}" + (" [SMOKE: CPU, tiny shapes, host time]" if smoke else ""))
