@@ -156,3 +156,34 @@ def test_read_packed_fused_modules(tmp_path, monkeypatch):
         _same_bytes(got, want)
         a = got.a[(1, "qkv_proj")].view(dtype).view(12, SPEC.hidden)
         assert torch.equal(a[0:4], a[8:12]) and a[0:4].abs().sum() > 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_pread_jobs_reads_and_reports_truncation(tmp_path, monkeypatch, native):
+    """The extension's pread_into (every read with the GIL released) and the Python preadv loop read the same bytes
+    and raise the same error, naming the file, for a read past the end of the file."""
+    if native and reader._pread_into is None:
+        pytest.skip("extension not built")
+    if not native:
+        monkeypatch.setattr(reader, "_pread_into", None)
+    monkeypatch.setattr(reader, "_PARALLEL_MIN_BYTES", 0)  # the threaded path on a small file
+    path = tmp_path / "w.bin"
+    data = bytes(range(256)) * 8
+    path.write_bytes(data)
+    a, b = bytearray(b"\xff" * 100), bytearray(b"\xff" * 7)
+    fd = reader.os.open(path, reader.os.O_RDONLY)
+    try:
+        reader._pread_jobs(fd, [(5, memoryview(a)), (2000, memoryview(b))], path)
+        assert bytes(a) == data[5:105] and bytes(b) == data[2000:2007]
+        with pytest.raises(AdapterFormatError, match="^" + str(path) + r": file truncated while reading \(byte 2048 "
+                           r"of a tensor ending at 2050\)$"):
+            reader._pread_jobs(fd, [(5, memoryview(a)), (2040, memoryview(bytearray(10)))], path)
+        # 3 threads over 12 jobs: every byte lands, and the first failure in job order is the one reported
+        outs = [bytearray(b"\xff" * 150) for _ in range(12)]
+        reader._pread_all(fd, [(150 * i, memoryview(o)) for i, o in enumerate(outs)], path, 3)
+        assert b"".join(outs) == data[:1800]
+        jobs = [(150 * i, memoryview(bytearray(150))) for i in range(12)] + [(2000, memoryview(bytearray(100)))]
+        with pytest.raises(AdapterFormatError, match=r"byte 2048 of a tensor ending at 2100\)$"):
+            reader._pread_all(fd, jobs, path, 3)
+    finally:
+        reader.os.close(fd)

@@ -3,6 +3,8 @@
 // against the CPython API directly: a torch op costs more in dispatch than this whole function.
 #include "host/batch_record.h"
 
+#include "host/pread_into.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -261,6 +263,9 @@ PyMethodDef host_methods[] = {
      "tile_m[, copy]) -> (0, n) for a graph-mode decode record, else (1, segments, max_len, total, tiles, m, cap); "
      "copy = (perm_dirty, device, stream, event, dec_dst, dec_bytes, gen_dst, gen_bytes, sorted_dst, sorted_bytes) "
      "also restores the permutation tail and copies the record to the device, then records the event"},
+    {"pread_into", pread_into, METH_VARARGS,
+     "pread_into(fd, [(file_offset, writable_buffer), ...]) -> None, or (job, file_byte, errno) of the first read "
+     "that failed (errno 0: end of file); every read with the GIL released"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace lora_kernels

@@ -1,0 +1,117 @@
+// pread_into: the host stage's file reads in one call with the GIL released for all of them.
+//
+// A host-stage worker reads each tensor of an adapter's safetensors file straight into its place in the packed
+// (pinned) buffer. From Python that is one os.preadv per tensor, and the worker must take the GIL back after
+// every one; while the scheduler thread runs Python (it launches the step's kernels), each take can wait for the
+// interpreter's switch interval. Here the worker holds the GIL only to collect the buffers, then reads them all.
+#include "host/pread_into.h"
+
+#include <errno.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace lora_kernels {
+namespace {
+
+struct Failure {  // the first job of a run that failed: file byte, errno (0: end of file)
+  Py_ssize_t job = -1;
+  long long at = 0;
+  int err = 0;
+};
+
+// Reads jobs [lo, hi) in order, stopping at the first failure.
+Failure read_run(int fd, const std::vector<Py_buffer>& views, const std::vector<long long>& offsets, Py_ssize_t lo,
+                 Py_ssize_t hi) {
+  Failure f;
+  for (Py_ssize_t i = lo; i < hi; ++i) {
+    char* dst = static_cast<char*>(views[i].buf);
+    const Py_ssize_t len = views[i].len;
+    Py_ssize_t done = 0;
+    while (done < len) {
+      const ssize_t r = pread(fd, dst + done, static_cast<size_t>(len - done), static_cast<off_t>(offsets[i] + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        f.job = i;
+        f.at = offsets[i] + done;
+        f.err = r < 0 ? errno : 0;
+        return f;
+      }
+      done += r;
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
+  int fd, threads = 1;
+  PyObject* jobs_obj;
+  if (!PyArg_ParseTuple(args, "iO|i", &fd, &jobs_obj, &threads)) return nullptr;
+  PyObject* seq = PySequence_Fast(jobs_obj, "pread_into: jobs must be a list of (file offset, writable buffer)");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  std::vector<Py_buffer> views(n);
+  std::vector<long long> offsets(n);
+  Py_ssize_t got = 0;
+  bool ok = true;
+  for (; got < n; ++got) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, got);
+    PyObject* buf = nullptr;
+    if (!PyArg_ParseTuple(item, "LO", &offsets[got], &buf)) {
+      ok = false;
+      break;
+    }
+    if (offsets[got] < 0) {
+      PyErr_Format(PyExc_ValueError, "pread_into: jobs[%zd] has a negative file offset %lld", got, offsets[got]);
+      ok = false;
+      break;
+    }
+    if (PyObject_GetBuffer(buf, &views[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+      ok = false;
+      break;
+    }
+  }
+  // Contiguous runs of jobs of about equal bytes, one per thread (the first on this one); the GIL is released
+  // for all of them. The first failure in job order is reported.
+  Failure failed;
+  if (ok && n > 0) {
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) total += views[i].len;
+    const int t = static_cast<int>(std::max<long long>(1, std::min<long long>({threads, n, 64})));
+    std::vector<Py_ssize_t> bounds{0};
+    long long acc = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      acc += views[i].len;
+      if (static_cast<int>(bounds.size()) < t && acc * t >= total * static_cast<long long>(bounds.size()))
+        bounds.push_back(i + 1);
+    }
+    if (bounds.back() != n) bounds.push_back(n);
+    const size_t runs = bounds.size() - 1;
+    std::vector<Failure> fails(runs);
+    Py_BEGIN_ALLOW_THREADS
+    std::vector<std::thread> pool;
+    for (size_t k = 1; k < runs; ++k)
+      pool.emplace_back([&, k] { fails[k] = read_run(fd, views, offsets, bounds[k], bounds[k + 1]); });
+    fails[0] = read_run(fd, views, offsets, bounds[0], bounds[1]);
+    for (auto& th : pool) th.join();
+    Py_END_ALLOW_THREADS
+    for (const Failure& f : fails) {
+      if (f.job >= 0) {
+        failed = f;
+        break;
+      }
+    }
+  }
+  for (Py_ssize_t i = 0; i < got; ++i) PyBuffer_Release(&views[i]);
+  Py_DECREF(seq);
+  if (!ok) return nullptr;
+  if (failed.job < 0) Py_RETURN_NONE;
+  return Py_BuildValue("(nLi)", failed.job, failed.at, failed.err);
+}
+
+}  // namespace lora_kernels
