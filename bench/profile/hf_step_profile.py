@@ -9,6 +9,7 @@ and for the integration the host time per step spent inside the patched modules'
 `apply_lora`).
 
     python bench/profile/hf_step_profile.py [--model 1b] [--adapters 32] [--top 15] [--cprofile] [--backends default,auto,cuda] [--no-profile]
+        [--phase decode|prefill]
 
 --cprofile adds, for every variant, a cProfile of 20 steps (Python functions by own time).
 """
@@ -133,6 +134,8 @@ def main():
                    "the integration's own choice; auto, triton, cuda: that backend for every forward)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median and range over rounds)")
     p.add_argument("--no-profile", action="store_true", help="the interleaved timing only")
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                   help="what a step is: one decode token on a fixed KV cache, or the prefill of the whole prompt")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from lora_kernels.integrations.hf import enable_multi_lora
@@ -155,16 +158,26 @@ def main():
             return mlm.batch(names)
         return enter
 
-    variants = {"base": (contextlib.nullcontext, bh.decode_step(plain, ids))}
+    def step_of(fn):
+        if args.phase == "decode":
+            return bh.decode_step(fn, ids)
+        mask = torch.ones_like(ids)
+
+        def prefill():
+            with torch.no_grad():
+                fn(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+        return prefill
+
+    variants = {"base": (contextlib.nullcontext, step_of(plain))}
     for label, names, backend in runs:
         enter = enter_for(names, backend)
         with enter():
-            variants[label] = (enter, bh.decode_step(mlm.model, ids))
+            variants[label] = (enter, step_of(mlm.model))
     # Timed first: once torch.profiler has run in a process, every later step measured slower there (H200: the same
     # base step 10.7 ms before the first profile, 17-29 ms after), so no figure is taken after a profile.
     res = _interleaved(variants, device, args.rounds)
     base = statistics.median(res["base"])
-    print(f"# interleaved, {args.rounds} rounds (median of the rounds' medians of 20 steps [min, max]), base on a second "
+    print(f"# {args.phase}, interleaved, {args.rounds} rounds (median of the rounds' medians of 20 steps [min, max]), base on a second "
           f"untouched model:")
     for label, v in res.items():
         m = statistics.median(v)
