@@ -5,7 +5,7 @@ weights, no downloads); r=16 LoRA on all 7 projections of every layer; 32 reques
 distinct adapters (request i uses adapter i mod n). Variants, all through public APIs and eager PyTorch (no
 CUDA graphs, no torch.compile, the default sdpa attention):
 
-  base         the plain transformers model (before PEFT touches it)
+  base         the plain transformers model (a second copy that PEFT never touches)
   peft_mixed   PeftModel(..., adapter_names=[...]) / generate(..., adapter_names=[...]) (PEFT's defaults: its
                adapter weights are kept in fp32 under a bf16 base)
   peft_single  PeftModel with one active adapter for the whole batch (set_adapter)
@@ -22,7 +22,9 @@ variant pays the same generate loop per step. step_ms: the model's forward alone
 new token each) on a KV cache of the prompt, cropped back after every step so that each sees the same shapes;
 median of synchronized steps (20; PEFT's mixed batch 3) inside one adapter context, as generate runs them: the
 stricter figure (no generate loop in the denominator) and a steadier one (the generate difference moves by
-milliseconds between runs). Overheads are against base; speedup is peft_mixed / lk_mixed.
+milliseconds between runs). Base and the integration's variants are timed in --rounds interleaved rounds (median
+over rounds, with the range); PEFT's, far slower, once. Overheads are against base; speedup is peft_mixed /
+lk_mixed.
 A correctness line compares lk_mixed's last-position logits with peft_mixed's (‖diff‖/‖ref‖ <= 1e-2 in bf16).
 Targets (issue 14), at 32 adapters: lk_mixed adds <= 15% to base decode (checked on step_ms and on decode_ms), <=
 10% to base prefill, and is >= 20x faster than peft_mixed.
@@ -144,23 +146,29 @@ def measure(call, gen, ids, mask, device, reps: int, steps: int, forward=None, c
     return {"prefill_ms": prefill, "decode_ms": (many - one) / steps, "step_ms": step_ms}
 
 
-def run_shape(shape: str, counts: list[int], device: str, quick: bool) -> list[dict]:
-    """Every variant on one model shape. PEFT is measured before the integration patches the model."""
+METRICS = ("prefill_ms", "decode_ms", "step_ms")
+
+
+def run_shape(shape: str, counts: list[int], device: str, quick: bool, rounds: int) -> list[dict]:
+    """Every variant on one model shape. PEFT's variants are measured once, before the integration patches the
+    model. Base (on a second, untouched model) and the integration's variants are the comparison: they are timed
+    in `rounds` interleaved rounds (every variant once per round), and each metric is the median over the rounds
+    with its range, so that a slow phase of the host lands on all alike."""
     from lora_kernels.integrations.hf import enable_multi_lora
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t0 = time.perf_counter()
     model = build_model(shape, device, dtype)
+    plain = build_model(shape, device, dtype)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, SHAPES[shape]["vocab_size"], (REQUESTS, PROMPT), generator=g).to(device)
     mask = torch.ones_like(ids)
     fast = (2, 4) if quick else (5, 12)  # (timed repetitions, decode steps per generate)
     slow = (1, 2) if quick else (1, 4)   # PEFT's mixed batch: one repetition of a few steps is seconds already
-    rows = [{"variant": "base", "adapters": 0, **measure(model, model.generate, ids, mask, device, *fast)}]
     pm = add_peft_adapters(model, max(counts), device)
-    print(f"{NAMES[shape]}: model + {max(counts)} PEFT adapters built in {time.perf_counter() - t0:.1f} s")
+    print(f"{NAMES[shape]}: models + {max(counts)} PEFT adapters built in {time.perf_counter() - t0:.1f} s")
     pm.set_adapter("ad0")
-    rows.append({"variant": "peft_single", "adapters": 1, **measure(pm, pm.generate, ids, mask, device, *fast)})
+    rows = [{"variant": "peft_single", "adapters": 1, **measure(pm, pm.generate, ids, mask, device, *fast)}]
     batches = {n: [f"ad{i % n}" for i in range(REQUESTS)] for n in counts}
     refs = {}
     for n, names in batches.items():
@@ -172,21 +180,38 @@ def run_shape(shape: str, counts: list[int], device: str, quick: bool) -> list[d
     t1 = time.perf_counter()
     mlm = enable_multi_lora(pm, num_slots=max(counts))
     print(f"  enable_multi_lora (read, pack, {max(counts)} slots): {time.perf_counter() - t1:.1f} s")
-    no_lora = [BASE] * REQUESTS
-    rows.append({"variant": "lk_no_lora", "adapters": 0, **measure(
-        lambda **kw: mlm(adapter_names=no_lora, **kw), lambda **kw: mlm.generate(adapter_names=no_lora, **kw), ids,
-        mask, device, *fast, forward=mlm.model, context=lambda: mlm.batch(no_lora))})
-    for n, names in batches.items():
-        row = {"variant": "lk_mixed", "adapters": n, "n": n, **measure(
-            lambda **kw: mlm(adapter_names=names, **kw), lambda **kw: mlm.generate(adapter_names=names, **kw), ids,
-            mask, device, *fast, forward=mlm.model, context=lambda: mlm.batch(names))}
-        out = mlm(input_ids=ids, attention_mask=mask, adapter_names=names, logits_to_keep=1).logits.float()
-        row["logits_rel_err"] = err = ((out - refs[n]).norm() / refs[n].norm()).item()
-        print(f"  {n} adapters: lk_mixed vs peft_mixed last-position logits, ||diff|| / ||peft||: {err:.2e} "
-              f"({'within' if err <= 1e-2 else 'ABOVE'} the bf16 bound 1e-2; PEFT keeps its adapters in fp32)")
-        rows.append(row)
+
+    def lk(names):
+        return dict(call=lambda **kw: mlm(adapter_names=names, **kw),
+                    gen=lambda **kw: mlm.generate(adapter_names=names, **kw), forward=mlm.model,
+                    context=lambda: mlm.batch(names))
+
+    timed = {("base", 0): dict(call=plain, gen=plain.generate), ("lk_no_lora", 0): lk([BASE] * REQUESTS)}
+    timed.update({("lk_mixed", n): lk(names) for n, names in batches.items()})
+    per_round = {key: [] for key in timed}
+    for _ in range(rounds):
+        for key, v in timed.items():
+            per_round[key].append(measure(v["call"], v["gen"], ids, mask, device, *fast, forward=v.get("forward"),
+                                          context=v.get("context", contextlib.nullcontext)))
+    compared = []
+    for (variant, n), runs in per_round.items():
+        row = {"variant": variant, "adapters": n, "rounds": rounds}
+        if variant == "lk_mixed":
+            row["n"] = n
+        for m in METRICS:
+            vals = [r[m] for r in runs]
+            row[m], row[m + "_min"], row[m + "_max"] = statistics.median(vals), min(vals), max(vals)
+        compared.append(row)
+    for row in compared:
+        if row["variant"] == "lk_mixed":
+            n = row["n"]
+            out = mlm(input_ids=ids, attention_mask=mask, adapter_names=batches[n], logits_to_keep=1).logits.float()
+            row["logits_rel_err"] = err = ((out - refs[n]).norm() / refs[n].norm()).item()
+            print(f"  {n} adapters: lk_mixed vs peft_mixed last-position logits, ||diff|| / ||peft||: {err:.2e} "
+                  f"({'within' if err <= 1e-2 else 'ABOVE'} the bf16 bound 1e-2; PEFT keeps its adapters in fp32)")
+    rows = compared[:1] + rows + compared[1:]
     finish(rows, shape)
-    del mlm, pm, model
+    del mlm, pm, model, plain
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -211,6 +236,12 @@ def report(rows: list[dict]) -> None:
     common.print_table(rows, ["model", "variant", "adapters", "prefill_ms", "prefill_overhead_%", "decode_ms",
                               "decode_overhead_%", "step_ms", "step_overhead_%", "prefill_speedup_vs_peft_mixed",
                               "decode_speedup_vs_peft_mixed"])
+    ranged = [r for r in rows if "rounds" in r]
+    if ranged:
+        print(f"# base and the integration: median of {ranged[0]['rounds']} interleaved rounds [min, max]")
+        for r in ranged:
+            print(f"#   {r['model']:<20} {r['variant']:<11} {r['adapters']:>3}  " + "  ".join(
+                f"{m} {r[m]:.2f} [{r[m + '_min']:.2f}, {r[m + '_max']:.2f}]" for m in METRICS))
     for r in rows:
         if r["variant"] == "lk_mixed" and r["n"] == 32:
             ok = (max(r["decode_overhead_%"], r["step_overhead_%"]) <= 15, r["prefill_overhead_%"] <= 10,
@@ -226,7 +257,10 @@ def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--models", default="1b,8b", help="comma-separated shapes: 1b, 8b, tiny")
     p.add_argument("--adapters", default="8,32", help="comma-separated distinct adapter counts")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds of base and the integration's "
+                   "variants (default 5; 2 with --quick)")
     args = p.parse_args()
+    rounds = args.rounds or (2 if args.quick else 5)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     counts = [int(c) for c in args.adapters.split(",")]
     import peft
@@ -237,7 +271,7 @@ def main():
     rows = []
     for shape in args.models.split(","):
         t0 = time.perf_counter()
-        rows += run_shape(shape, counts, device, args.quick)
+        rows += run_shape(shape, counts, device, args.quick, rounds)
         print(f"{NAMES[shape]} done in {time.perf_counter() - t0:.1f} s")
     report(rows)
     common.write_jsonl(args.json, [{"bench": "hf", "transformers": transformers.__version__,
