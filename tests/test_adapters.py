@@ -151,6 +151,24 @@ def test_loader_cpu_exact(rank):
     assert loader.stats["bytes"] == sum(store.get(n).payload_bytes for n in ["full", "qkv", "mlp", "full"])
 
 
+def test_staging_grows_with_the_rank_loaded():
+    """Ranks below the pool's go through a staging buffer sized for the rank loaded, replaced by a larger one when a
+    higher rank comes; every load stays exact before and after (cached copy plans of the old buffer dropped)."""
+    from lora_kernels.adapters.layout import staging_numel
+
+    pool = GpuAdapterPool(SPEC, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    store = HostAdapterStore(SPEC, torch.float32)
+    ws = {"r2": _adapter(2, 1), "r5": _adapter(5, 2), "r3": _adapter(3, 3)}
+    for n, w in ws.items():
+        store.register(n, w)
+    loader = AdapterLoader(pool, store)
+    sizes = []
+    for n in ["r2", "r5", "r3", "r2", "r5"]:
+        check_slot(pool, loader.load_async(n), ws[n])
+        sizes.append(loader._issuer._staging[0].numel())
+    assert sizes == [staging_numel(SPEC, 2)] + [staging_numel(SPEC, 5)] * 4
+
+
 def test_loader_rank_above_pool_and_unknown():
     pool = GpuAdapterPool(SPEC, 1, 4, torch.float32, "cpu")
     store = HostAdapterStore(SPEC, torch.float32)

@@ -220,9 +220,9 @@ class DestPlan:
     staged_bytes: int = 0
 
 
-def staging_numel(spec: ModelSpec, max_rank: int) -> int:
-    """Elements of a staging buffer that holds every B block of an adapter of rank < max_rank."""
-    return spec.layers * sum(g.out_total for g in spec.groups) * max(max_rank - 1, 0)
+def staging_numel(spec: ModelSpec, rank: int) -> int:
+    """Elements of a staging buffer that holds every B block of an adapter of rank `rank`."""
+    return spec.layers * sum(g.out_total for g in spec.groups) * rank
 
 
 def dest_plan(layout: PackedLayout, pool, slot: int, staging: torch.Tensor | None) -> DestPlan:

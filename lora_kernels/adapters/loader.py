@@ -50,7 +50,7 @@ class _CopyIssuer:
         # High priority: the scatter kernels are a load's only SM work; queued behind a compute kernel's CTAs they
         # would end the load long after its copies (H200: 73.9% of the load hidden at r < R against 99.3% at r = R).
         self.scatter_stream = (torch.cuda.Stream(pool.device, priority=-1) if load_stream is not None else None)
-        self._staging: list[torch.Tensor] = []
+        self._staging: list[torch.Tensor | None] = [None] * _STAGING_BUFFERS
         self._staging_free: list[torch.cuda.Event | None] = [None] * _STAGING_BUFFERS  # its last scatter's end
         self._staging_next = 0
         self._dst_plans: dict = {}
@@ -67,7 +67,7 @@ class _CopyIssuer:
         key = (slot, packed.rank, packed.layout, buf)
         plan = self._dst_plans.get(key)
         if plan is None:
-            staging = self._staging_buffer(buf) if packed.rank < self.pool.max_rank else None
+            staging = self._staging_buffer(buf, packed.rank) if packed.rank < self.pool.max_rank else None
             plan = lay.dest_plan(packed.blocks, self.pool, slot, staging)
             if len(self._dst_plans) >= _PLAN_CACHE_MAX:
                 self._dst_plans.clear()
@@ -111,6 +111,9 @@ class _CopyIssuer:
             side.wait_event(staged)
             for dst, src in plan.scatter:
                 dst.copy_(src)
+            # The buffer may be replaced by a larger one before this scatter has read it: its memory must not be
+            # handed out again until then.
+            self._staging[buf].record_stream(side)
             free = self._staging_free[buf] = torch.cuda.Event()
             free.record(side)
             side.wait_event(copied)
@@ -125,17 +128,22 @@ class _CopyIssuer:
         for t in plan.zero:
             t.zero_()
 
-    def _staging_buffer(self, buf: int) -> torch.Tensor:
-        """Device room for every B block of an adapter of rank < R (allocated on first use; buffer `buf` is
-        rewritten only after the scatter that last read it, an event the load stream waits on)."""
-        while len(self._staging) <= buf:
-            n = lay.staging_numel(self.pool.spec, self.pool.max_rank)
+    def _staging_buffer(self, buf: int, rank: int) -> torch.Tensor:
+        """Device room for every B block of an adapter of rank `rank` < R: buffer `buf`, allocated on first use and
+        replaced by a larger one when a higher rank comes (so two buffers cost about what one sized for R - 1 did
+        when the ranks below R are at most half of it). A buffer is rewritten only after the scatter that last read
+        it (an event the load stream waits on)."""
+        need = lay.staging_numel(self.pool.spec, rank)
+        cur = self._staging[buf]
+        if cur is None or cur.numel() < need:
             if self.load_stream is not None:
                 with torch.cuda.stream(self.load_stream):
-                    self._staging.append(torch.empty(n, dtype=self.pool.dtype, device=self.pool.device))
+                    cur = torch.empty(need, dtype=self.pool.dtype, device=self.pool.device)
             else:
-                self._staging.append(torch.empty(n, dtype=self.pool.dtype))
-        return self._staging[buf]
+                cur = torch.empty(need, dtype=self.pool.dtype)
+            self._staging[buf] = cur
+            self._dst_plans.clear()  # cached plans hold views of the buffer this one replaces
+        return cur
 
 
 class _SlotTable:
