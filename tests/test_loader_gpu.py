@@ -164,6 +164,27 @@ def test_loads_below_pool_rank_never_queue_behind_their_scatters():
     loader.release(names)
 
 
+def test_staging_buffer_replaced_while_its_scatter_waits():
+    """A higher rank below R replaces a staging buffer whose scatter has not run yet (the scatter stream is held):
+    the old buffer's memory must not be reused before that scatter reads it, so every slot gets its own bytes."""
+    ws = {"r3": AdapterWeights.random(SPEC, 3, seed=21), "r4": AdapterWeights.random(SPEC, 4, seed=22),
+          "r9": AdapterWeights.random(SPEC, 9, seed=23), "r11": AdapterWeights.random(SPEC, 11, seed=24)}
+    pool, store, loader = _setup(4, 16, ws)
+    for name in ws:
+        store.get(name)
+    with torch.cuda.stream(loader._issuer.scatter_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    for name in ("r3", "r4", "r9", "r11"):  # buffers 0, 1, then both replaced by larger ones
+        loader.load_async(name)
+        junk = torch.full((1 << 20,), float("nan"), device="cuda")  # would land in a freed buffer's memory
+        del junk
+    loader.acquire(list(ws))
+    torch.cuda.synchronize()
+    for name, w in ws.items():
+        check_slot(pool, loader.slot_of(name), w)
+    loader.release(list(ws))
+
+
 def test_wait_loads_orders_a_stream_after_every_load():
     ws = {"A": AdapterWeights.random(SPEC, 5, seed=7), "B": AdapterWeights.random(SPEC, 16, seed=8)}
     pool, store, loader = _setup(2, 16, ws)
