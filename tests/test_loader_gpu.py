@@ -174,9 +174,13 @@ def test_staging_buffer_replaced_while_its_scatter_waits():
         store.get(name)
     with torch.cuda.stream(loader._issuer.scatter_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
+    from lora_kernels.adapters.layout import staging_numel
+
     for name in ("r3", "r4", "r9", "r11"):  # buffers 0, 1, then both replaced by larger ones
         loader.load_async(name)
-        junk = torch.full((1 << 20,), float("nan"), device="cuda")  # would land in a freed buffer's memory
+        with torch.cuda.stream(loader.load_stream):  # what would land in a freed buffer's memory, on its stream
+            junk = [torch.full((staging_numel(SPEC, r),), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    for r in (3, 4)]
         del junk
     loader.acquire(list(ws))
     torch.cuda.synchronize()
