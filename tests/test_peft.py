@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 import lora_kernels as lk  # noqa: E402
 from lora_kernels.adapters import (AdapterFormatError, AdapterLoader, GpuAdapterPool, HostAdapterStore,  # noqa: E402
                                    ModelSpec, load_peft_adapter)
+from lora_kernels.adapters import peft as peft_mod  # noqa: E402
 from lora_kernels.adapters.peft import MODULES  # noqa: E402
 
 # Odd sizes on purpose: hidden 40, 5 heads of 8, 1 kv head, intermediate 36, 2 layers.
@@ -327,3 +328,17 @@ def test_store_rejects_rank_above_pool(made):
     store.register_path("x", made[0]["qv_rslora"][0], check=False)
     with pytest.raises(AdapterFormatError, match=want):  # ... and when read
         store.get("x")
+
+
+def test_native_read_heads_matches_the_python_reads(folder):
+    """The extension's read_heads (config and safetensors header with one GIL release) returns what the Python
+    reads return, and None (so the Python path raises the error that names the file) on a truncated header."""
+    if peft_mod._read_heads is None:
+        pytest.skip("extension not built")
+    cpath, wpath = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    size, hraw = peft_mod._header_bytes(wpath)
+    assert peft_mod._read_heads(str(cpath), str(wpath)) == (cpath.read_bytes(), size, hraw)
+    assert peft_mod._read_heads(str(folder / "missing.json"), str(wpath)) is None
+    assert peft_mod._read_heads(str(cpath), str(folder)) is None  # a directory
+    wpath.write_bytes(wpath.read_bytes()[:20])  # the header's length now exceeds the file
+    assert peft_mod._read_heads(str(cpath), str(wpath)) is None

@@ -3,7 +3,7 @@
 // against the CPython API directly: a torch op costs more in dispatch than this whole function.
 #include "host/batch_record.h"
 
-#include "host/pread_into.h"
+#include "host/file_reads.h"
 
 #include <cuda_runtime_api.h>
 
@@ -264,8 +264,11 @@ PyMethodDef host_methods[] = {
      "copy = (perm_dirty, device, stream, event, dec_dst, dec_bytes, gen_dst, gen_bytes, sorted_dst, sorted_bytes) "
      "also restores the permutation tail and copies the record to the device, then records the event"},
     {"pread_into", pread_into, METH_VARARGS,
-     "pread_into(fd, [(file_offset, writable_buffer), ...]) -> None, or (job, file_byte, errno) of the first read "
+     "pread_into(fd, [(file_offset, writable_buffer), ...], threads=1) -> None, or (job, file_byte, errno) of the first read "
      "that failed (errno 0: end of file); every read with the GIL released"},
+    {"read_heads", read_heads, METH_VARARGS,
+     "read_heads(config_path, weights_path) -> (config bytes, weights size, safetensors header bytes) or None on any "
+     "error; the GIL released once"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace lora_kernels

@@ -352,6 +352,11 @@ def _check_overlaps(modules: list[ModuleRead], spec: ModelSpec, wpath: Path) -> 
             filled.add((m.layer, m.group, i))
 
 
+try:  # config + header in one call with the GIL released once (csrc/host/file_reads.cpp)
+    from lora_kernels._C import read_heads as _read_heads
+except ImportError:
+    _read_heads = None
+
 _PLANS: dict = {}  # (folder, config bytes, header bytes, file size, spec, max_rank) -> AdapterPlan
 _PLANS_MAX = 4096
 _plans_lock = threading.Lock()
@@ -366,11 +371,15 @@ def plan_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int | None
     unchanged, e.g. when an adapter dropped from host memory is read again. A file changed in any way that
     matters changes them, so the cache never serves a stale plan."""
     folder = Path(path)
-    cpath, craw = _config_bytes(folder)
-    wpath = folder / WEIGHTS_NAME
-    if not wpath.is_file() and (folder / "adapter_model.bin").is_file():
-        raise AdapterFormatError(f"{wpath}: not found (only adapter_model.bin is there; save with safetensors)")
-    size, hraw = _header_bytes(wpath)
+    cpath, wpath = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    heads = _read_heads(str(cpath), str(wpath)) if _read_heads is not None else None
+    if heads is not None:  # the extension read both with one GIL release (a host-stage worker's hot path)
+        craw, size, hraw = heads
+    else:  # without it, or when something is wrong: this path names what
+        cpath, craw = _config_bytes(folder)
+        if not wpath.is_file() and (folder / "adapter_model.bin").is_file():
+            raise AdapterFormatError(f"{wpath}: not found (only adapter_model.bin is there; save with safetensors)")
+        size, hraw = _header_bytes(wpath)
     key = (str(folder), craw, hraw, size, spec, max_rank)
     plan = _PLANS.get(key)
     if plan is not None:

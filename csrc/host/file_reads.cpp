@@ -1,13 +1,19 @@
-// pread_into: the host stage's file reads in one call with the GIL released for all of them.
+// The host stage's file reads, each call with the GIL released once for all of its system calls.
 //
-// A host-stage worker reads each tensor of an adapter's safetensors file straight into its place in the packed
-// (pinned) buffer. From Python that is one os.preadv per tensor, and the worker must take the GIL back after
-// every one; while the scheduler thread runs Python (it launches the step's kernels), each take can wait for the
-// interpreter's switch interval. Here the worker holds the GIL only to collect the buffers, then reads them all.
-#include "host/pread_into.h"
+// A host-stage worker reads an adapter's PEFT folder: the config and the safetensors header (to check the cached
+// plan), then each tensor straight into its place in the packed (pinned) buffer. From Python every open, read and
+// close releases the GIL and must take it back; while the scheduler thread runs Python (it launches the step's
+// kernels), each take can wait for the interpreter's switch interval (5 ms). Here a worker takes it back once.
+//   read_heads: the config's bytes, the weights file's size and its JSON header's bytes (the plan cache's key);
+//   pread_into: a list of (file offset, buffer) reads, on up to `threads` threads.
+#include "host/file_reads.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <string>
 
 #include <algorithm>
 #include <cstdint>
@@ -46,7 +52,74 @@ Failure read_run(int fd, const std::vector<Py_buffer>& views, const std::vector<
   return f;
 }
 
+// The whole file at `path` into out (false on any error: a missing file, a directory, a failed read).
+bool read_file(const char* path, std::string& out) {
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (ok) {
+    out.resize(static_cast<size_t>(st.st_size));
+    size_t done = 0;
+    while (ok && done < out.size()) {
+      const ssize_t r = pread(fd, &out[done], out.size() - done, static_cast<off_t>(done));
+      if (r < 0 && errno == EINTR) continue;
+      ok = r > 0;
+      if (ok) done += static_cast<size_t>(r);
+    }
+  }
+  close(fd);
+  return ok;
+}
+
+// The safetensors file's size and its JSON header (false on any error, or a header longer than the file).
+bool read_header(const char* path, long long& size, std::string& header) {
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  unsigned char len8[8];
+  bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && pread(fd, len8, 8, 0) == 8;
+  if (ok) {
+    unsigned long long n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | len8[i];  // little-endian u64
+    size = static_cast<long long>(st.st_size);
+    ok = size >= 8 && n <= static_cast<unsigned long long>(size - 8);
+    if (ok) {
+      header.resize(static_cast<size_t>(n));
+      size_t done = 0;
+      while (ok && done < header.size()) {
+        const ssize_t r = pread(fd, &header[done], header.size() - done, static_cast<off_t>(8 + done));
+        if (r < 0 && errno == EINTR) continue;
+        ok = r > 0;
+        if (ok) done += static_cast<size_t>(r);
+      }
+    }
+  }
+  close(fd);
+  return ok;
+}
+
 }  // namespace
+
+PyObject* read_heads(PyObject* /*self*/, PyObject* args) {
+  const char* config_path;
+  const char* weights_path;
+  if (!PyArg_ParseTuple(args, "ss", &config_path, &weights_path)) return nullptr;
+  std::string config, header;
+  long long size = 0;
+  bool ok;
+  Py_BEGIN_ALLOW_THREADS
+  ok = read_file(config_path, config) && read_header(weights_path, size, header);
+  Py_END_ALLOW_THREADS
+  if (!ok) Py_RETURN_NONE;  // the caller's Python path then names what is wrong
+  PyObject* c = PyBytes_FromStringAndSize(config.data(), static_cast<Py_ssize_t>(config.size()));
+  PyObject* h = c == nullptr ? nullptr : PyBytes_FromStringAndSize(header.data(), static_cast<Py_ssize_t>(header.size()));
+  if (h == nullptr) {
+    Py_XDECREF(c);
+    return nullptr;
+  }
+  return Py_BuildValue("(NLN)", c, size, h);  // N: the tuple takes the references
+}
 
 PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
   int fd, threads = 1;

@@ -1,0 +1,12 @@
+// The host stage's file reads with the GIL released once per call (file_reads.cpp):
+//   pread_into(fd, [(file offset, writable buffer), ...], threads=1) -> None, or (job index, file byte, errno) of
+//     the first read that failed (errno 0: end of file);
+//   read_heads(config_path, weights_path) -> (config bytes, weights file size, safetensors header bytes), or None
+//     on any error (the caller's Python path then raises the error that names it).
+#pragma once
+#include <Python.h>
+
+namespace lora_kernels {
+PyObject* pread_into(PyObject* self, PyObject* args);
+PyObject* read_heads(PyObject* self, PyObject* args);
+}  // namespace lora_kernels
