@@ -29,70 +29,76 @@ struct Failure {  // the first job of a run that failed: file byte, errno (0: en
   int err = 0;
 };
 
+// Reads len bytes at file offset off into dst; returns how many it read before end of file or an error (errno
+// then set; 0 at end of file).
+size_t pread_full(int fd, char* dst, size_t len, long long off) {
+  size_t done = 0;
+  errno = 0;
+  while (done < len) {
+    const ssize_t r = pread(fd, dst + done, len - done, static_cast<off_t>(off + static_cast<long long>(done)));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      if (r == 0) errno = 0;
+      break;
+    }
+    done += static_cast<size_t>(r);
+  }
+  return done;
+}
+
 // Reads jobs [lo, hi) in order, stopping at the first failure.
 Failure read_run(int fd, const std::vector<Py_buffer>& views, const std::vector<long long>& offsets, Py_ssize_t lo,
                  Py_ssize_t hi) {
   Failure f;
   for (Py_ssize_t i = lo; i < hi; ++i) {
-    char* dst = static_cast<char*>(views[i].buf);
-    const Py_ssize_t len = views[i].len;
-    Py_ssize_t done = 0;
-    while (done < len) {
-      const ssize_t r = pread(fd, dst + done, static_cast<size_t>(len - done), static_cast<off_t>(offsets[i] + done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        f.job = i;
-        f.at = offsets[i] + done;
-        f.err = r < 0 ? errno : 0;
-        return f;
-      }
-      done += r;
+    const size_t len = static_cast<size_t>(views[i].len);
+    const size_t done = pread_full(fd, static_cast<char*>(views[i].buf), len, offsets[i]);
+    if (done < len) {
+      f.job = i;
+      f.at = offsets[i] + static_cast<long long>(done);
+      f.err = errno;
+      return f;
     }
   }
   return f;
 }
 
+// The regular file at `path`, opened read-only (-1 on any error, a directory included); st filled.
+int open_regular(const char* path, struct stat& st) {
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 // The whole file at `path` into out (false on any error: a missing file, a directory, a failed read).
 bool read_file(const char* path, std::string& out) {
-  const int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
   struct stat st {};
-  bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  if (ok) {
-    out.resize(static_cast<size_t>(st.st_size));
-    size_t done = 0;
-    while (ok && done < out.size()) {
-      const ssize_t r = pread(fd, &out[done], out.size() - done, static_cast<off_t>(done));
-      if (r < 0 && errno == EINTR) continue;
-      ok = r > 0;
-      if (ok) done += static_cast<size_t>(r);
-    }
-  }
+  const int fd = open_regular(path, st);
+  if (fd < 0) return false;
+  out.resize(static_cast<size_t>(st.st_size));
+  const bool ok = pread_full(fd, out.data(), out.size(), 0) == out.size();
   close(fd);
   return ok;
 }
 
 // The safetensors file's size and its JSON header (false on any error, or a header longer than the file).
 bool read_header(const char* path, long long& size, std::string& header) {
-  const int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
   struct stat st {};
+  const int fd = open_regular(path, st);
+  if (fd < 0) return false;
   unsigned char len8[8];
-  bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && pread(fd, len8, 8, 0) == 8;
+  size = static_cast<long long>(st.st_size);
+  bool ok = pread_full(fd, reinterpret_cast<char*>(len8), 8, 0) == 8;
   if (ok) {
     unsigned long long n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | len8[i];  // little-endian u64
-    size = static_cast<long long>(st.st_size);
     ok = size >= 8 && n <= static_cast<unsigned long long>(size - 8);
     if (ok) {
       header.resize(static_cast<size_t>(n));
-      size_t done = 0;
-      while (ok && done < header.size()) {
-        const ssize_t r = pread(fd, &header[done], header.size() - done, static_cast<off_t>(8 + done));
-        if (r < 0 && errno == EINTR) continue;
-        ok = r > 0;
-        if (ok) done += static_cast<size_t>(r);
-      }
+      ok = pread_full(fd, header.data(), header.size(), 8) == header.size();
     }
   }
   close(fd);

@@ -193,14 +193,6 @@ class _SlotTable:
         slot = self._slot_of.get(adapter_id)
         return None if slot is None or not self.is_loading(slot) else self._load_event[slot]
 
-    def wait_loads(self, stream=None) -> None:
-        """Makes `stream` (default: the current one) wait, on the GPU, for every load still in flight (a load's
-        end is not on the load stream when its B rows are scattered on the side stream)."""
-        for slot in list(self._pending):
-            ev = self._load_event[slot]
-            if ev is not None:
-                (stream or torch.cuda.current_stream(self.pool.device)).wait_event(ev)
-
     def in_use_ids(self) -> list[Hashable]:
         return [a for a, s in self._slot_of.items() if self._refs[s] > 0]
 
@@ -323,6 +315,14 @@ class AdapterLoader(_SlotTable):
             self._pending.add(slot)
         self.stats["loads"] += 1
         self.stats["bytes"] += packed.payload_bytes
+
+    def wait_loads(self, stream=None) -> None:
+        """Makes `stream` (default: the current one) wait, on the GPU, for every load still in flight (a load's
+        end is not on the load stream when its B rows are scattered on the side stream)."""
+        for slot in list(self._pending):
+            ev = self._load_event[slot]
+            if ev is not None:
+                (stream or torch.cuda.current_stream(self.pool.device)).wait_event(ev)
 
     # -- batches -------------------------------------------------------------------------------------------
 

@@ -223,10 +223,18 @@ def _pread_all(fd: int, jobs: list[tuple[int, memoryview]], path: Path, threads:
             raise e
 
 
-try:  # the extension's reader: every read of a job list with the GIL released (csrc/host/pread_into.cpp)
+try:  # the extension's reader: every read of a job list with the GIL released (csrc/host/file_reads.cpp)
     from lora_kernels._C import pread_into as _pread_into
 except ImportError:
     _pread_into = None
+
+
+def _read_error(path: Path, at: int, err: int, end: int) -> AdapterFormatError:
+    """The error of a read that failed at file byte `at` with errno `err` (0: end of file, the file shrank after
+    its header was read) in a tensor ending at byte `end`."""
+    if err:
+        return AdapterFormatError(f"{path}: read failed at byte {at} ({os.strerror(err)})")
+    return AdapterFormatError(f"{path}: file truncated while reading (byte {at} of a tensor ending at {end})")
 
 
 def _pread_jobs(fd: int, jobs: list[tuple[int, memoryview]], path: Path, threads: int = 1) -> None:
@@ -234,10 +242,7 @@ def _pread_jobs(fd: int, jobs: list[tuple[int, memoryview]], path: Path, threads
         failed = _pread_into(fd, jobs, threads)
         if failed is not None:
             i, at, err = failed
-            if err:
-                raise AdapterFormatError(f"{path}: read failed at byte {at} ({os.strerror(err)})")
-            raise AdapterFormatError(f"{path}: file truncated while reading (byte {at} of a tensor ending at "
-                                     f"{jobs[i][0] + jobs[i][1].nbytes})")
+            raise _read_error(path, at, err, jobs[i][0] + jobs[i][1].nbytes)
         return
     for offset, mv in jobs:
         done = 0
@@ -245,10 +250,9 @@ def _pread_jobs(fd: int, jobs: list[tuple[int, memoryview]], path: Path, threads
             try:
                 n = os.preadv(fd, [mv[done:]], offset + done)
             except OSError as e:
-                raise AdapterFormatError(f"{path}: read failed at byte {offset + done} ({e.strerror})") from None
-            if n == 0:  # the file shrank after its header was read
-                raise AdapterFormatError(f"{path}: file truncated while reading (byte {offset + done} of a tensor "
-                                         f"ending at {offset + mv.nbytes})")
+                raise _read_error(path, offset + done, e.errno, offset + mv.nbytes) from None
+            if n == 0:
+                raise _read_error(path, offset + done, 0, offset + mv.nbytes)
             done += n
 
 
