@@ -147,21 +147,19 @@ class Module:
         out[:T].add_((delta.float() * self.row_scale[:, None]).to(out.dtype))
 
 
-PATH_VARIANTS = ("triton-fused", "triton-tall", "triton-tall4")  # Triton, one path forced on for every batch size
+PATH_VARIANTS = ("triton-fused", "triton-tall")  # Triton, one path forced on for every batch size
 
 
 def path_on(variant: str, fn):
     """fn() with the Triton table switched to `variant`'s path (triton-fused: the one-launch path; triton-tall: the
-    tall-tile path; triton-tall4: its four-dot form) for every batch size; the choice is made per call, so a graph
-    captured through this keeps it."""
+    tall-tile path) for every batch size; the choice is made per call, so a graph captured through this keeps it."""
     plan = plan_module()
     table = plan.TABLE
     if variant == "triton-fused":
         plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 1 << 30}}
     else:
         plan.TABLE = {**table, "fused": {**plan.FUSED_DEFAULT, **table.get("fused", {}), "max_rows": 0},
-                      "tall": {**plan.TALL_DEFAULT, **table.get("tall", {}), "min_rows": 1,
-                               **({"one_dot": False} if variant == "triton-tall4" else {})}}
+                      "tall": {**plan.tall_config(), "min_rows": 1, "min_rank": 0}}
     try:
         return fn()
     finally:
@@ -334,14 +332,14 @@ def tune_candidates(keys: str = "") -> list[dict]:
     """Variations of the current table, one knob at a time (the first is the table itself); keys: a comma list
     of table entries to vary (default: all)."""
     plan = plan_module()
-    base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, "tall": plan.TALL_DEFAULT, **plan.TABLE}.items()}
+    base = {k: dict(v) for k, v in {"fused": plan.FUSED_DEFAULT, **plan.TABLE}.items()}
+    base["tall"] = plan.tall_config()  # the keys this code knows (an older table's tall form had others)
     knobs = [("fused", {"max_rows": 64}), ("fused", {"max_rows": 256}), ("fused", {"max_rows": 1024}),
-             ("tall", {"min_rows": 1024, "num_warps": 8, "min_rank": 32}),
-             # measured and dropped (H200, 92caed9 and bd2ab65; prefill r16 / r64 ms, off: 0.78 / 1.82): min_rows 1024
-             # 0.88 / 1.77; with 8 warps 0.94 / 1.42; the same with shrink_min_rank 32 (split-K shrink below r32)
-             # 0.94-0.96 / 1.42, with no tall shrink 0.96 / 1.61; min_rows 256 (r64 decode 256 sorted 167 -> 390 µs);
-             # the four-dot form 1.65 / 2.32; block_n 128 0.88 / 1.73; 4 programs per SM no better than 2. Every
-             # tall form is slower at r16, hence min_rank.
+             ("tall", {"min_rows": 1024, "min_rank": 0}), ("tall", {"min_rows": 1024, "min_rank": 32}),
+             ("tall", {"min_rows": 256}), ("tall", {"ctas_per_sm": 8}), ("tall", {"shrink_stages": 3}),
+             ("tall", {"shrink_smem": 131072}), ("tall", {"expand_group": 4}), ("tall", {"expand_warps_wide": 4}),
+             # The tall path's tiles come from an A/B of standalone kernels (session 6, H200, 8 x 1024 rows): 64-row
+             # shrink tiles, 4 stages; expand 32 x 128 at r16, 64 x 128 with 8 warps at r64.
              ("shrink", {"ctas_per_sm": 2}), ("shrink", {"ctas_per_sm": 8}), ("shrink", {"k_chunk_min": 256}),
              ("shrink", {"k_chunk_min": 1024}), ("shrink", {"num_stages": 4}), ("shrink", {"block_k": 64}),
              ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches
@@ -496,8 +494,8 @@ def tune_auto(args) -> dict:
 def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cuda,loop,bmm",
-                   help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall / triton-tall4: Triton with "
-                   "the one-launch decode / the tall-tile path (four-dot form) on")
+                   help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall: Triton with the one-launch "
+                   "decode / the tall-tile path on")
     p.add_argument("--cases", default="", help="comma list of substrings of case names to run (default: all)")
     p.add_argument("--tune", action="store_true", help="sweep the Triton block table instead of benchmarking")
     p.add_argument("--write-tables", action="store_true", help="with --tune: write lora_kernels/backends/tables.py")

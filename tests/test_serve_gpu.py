@@ -2,7 +2,6 @@
 check with the kernels' backends (reported; the torch backend must be identical)."""
 
 import math
-import statistics
 
 import pytest
 import torch
@@ -48,12 +47,12 @@ def test_timed_layers_estimate_tracks_the_full_step(tmp_path):
     try:
         sr.warm_up(cfg, engine)
         runs = {1: [], None: []}
-        for _ in range(3):  # interleaved, median of 3: other processes on the GPU (xdist) shift single runs
-            for k in runs:
+        for _ in range(5):  # interleaved; the fastest of 5: other processes on the GPU (xdist) only add time, and
+            for k in runs:  # a median of 3 still moved by 1.5x under 12 of them (H200, session 6)
                 engine.timed_layers = k
                 res = simulate(sr.make_trace(cfg, 4), sr.scheduler_config(cfg, "oracle"), engine)
                 runs[k].append(res.busy_s / res.steps)
-        times = {k: statistics.median(v) for k, v in runs.items()}
+        times = {k: min(v) for k, v in runs.items()}
         assert 0.65 < times[1] / times[None] < 1.35, runs
     finally:
         engine.close()

@@ -2,11 +2,11 @@
 
 It must give the bits of the split-K path (so that choosing it by the number of rows keeps batch
 invariance) and be right against float64, for segments of every length around the 16-row tile and the
-4-tile group, slot -1 segments, several slices, split-K and not, sorted rows. CPU: the interpreter (fp32 /
-fp16); GPU: bf16 at the Llama shapes of a prefill.
+groups of tiles (runs that start and end inside a group, several segments in one group), slot -1 segments,
+several slices, split-K and not, sorted rows. CPU: the interpreter (fp32 / fp16; its numpy dots depend on the
+tile height, so exact bits there with groups of one tile, float64 checks with taller ones); GPU: bf16 bits at
+the Llama shapes of a prefill.
 """
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -25,28 +25,39 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _apply(monkeypatch, base: dict, case, min_rows: int, **tall):
-    monkeypatch.setattr(plan, "TABLE", {**base, "tall": {**plan.TALL_DEFAULT, **base.get("tall", {}),
-                                                         "min_rows": min_rows, "min_rank": 0, **tall}})
+    monkeypatch.setattr(plan, "TABLE", {**base, "tall": {**plan.tall_config(), "min_rows": min_rows, "min_rank": 0,
+                                                         **tall}})
     assert plan.apply_path(case.x.shape[0], case.lora_b.shape[2])[0] == ("tall" if min_rows else "split")
     out = case.base.clone()
     lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
     return out
 
 
-CASES = [  # (seg_lens, in_dim, widths, max_rank, permute): lengths around 16 and 64, split-K or not, slices
+CASES = [  # (seg_lens, in_dim, widths, max_rank, permute): lengths around 16, 32 and 64, split-K or not, slices
     ((1, 15, 16, 17), 96, (32, 16), 16, False),
     ((63, 64, 65, 3), 64, (48,), 8, True),
     ((130, 1, 47, 80), 40, (24, 8, 8), 16, False),
     ((100, 2, 33), 130, (16, 16, 16, 16), 4, True),
 ]
+GROUPS = {"one": dict(shrink_group=1, expand_group=1, expand_group_wide=1),  # 16-row dots: the split path's bits
+          "table": {},  # the tall entry's groups (2 and 4 tiles by default)
+          "eight": dict(shrink_group=8, expand_group=8, expand_group_wide=8)}
 
 
-@pytest.mark.parametrize("shrink", ["tall", "split"])
+def _check(case, out) -> None:
+    ref = RowLoop(case, case.info)
+    v_ref, _ = ref.shrink()
+    assert rel_err(out, ref.expand(v_ref.nan_to_num(0), case.base)) <= TOL[case.x.dtype]
+    untouched = torch.ones(case.x.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[torch.tensor(case.perm, dtype=torch.long, device=DEVICE)] = False
+    assert torch.equal(out[untouched], case.base[untouched]), "rows outside the batch were written"
+
+
+@pytest.mark.parametrize("groups", list(GROUPS))
 @pytest.mark.parametrize("table", ["default", "small"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k", range(len(CASES)))
-def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k, shrink):
-    """shrink "split": below the table's shrink_min_rank the split-K shrink writes v and the tall expand reads it."""
+def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k, groups):
     if table == "small" and dtype != torch.float32:
         pytest.skip("the tiny table reaches the same paths in fp32 (the interpreter is slow)")
     plan.clear_cache()  # recipes of earlier tests in this process (the table's own tall entry makes some)
@@ -56,107 +67,90 @@ def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k, shri
                      dtype=dtype, device=DEVICE, permute=permute, extra_rows=3)
     base = SMALL_TABLE if table == "small" else dict(plan.TABLE)
     split = _apply(monkeypatch, base, case, 0)
-    tall = _apply(monkeypatch, base, case, 1, shrink_min_rank=0 if shrink == "tall" else 1 << 30)
-    assert torch.equal(tall, split), "the tall-tile path changed bits"
+    # The interpreter's dots are exact only between tiles of one shape: the small table's column tiles too.
+    tiles = dict(shrink_n=16, expand_n=16) if table == "small" else {}
+    tall = _apply(monkeypatch, base, case, 1, **GROUPS[groups], **tiles)
+    if DEVICE == "cuda" or groups == "one":
+        assert torch.equal(tall, split), "the tall-tile path changed bits"
     recipes = [r for k, r in plan._cache.items() if k[0] == "apply" and k[-1][0] == "tall"]
-    assert len(recipes) == 1 and recipes[0].steps[-1].kernel is tb._tall_expand_kernel
-    assert (recipes[0].mode == "tall") == (shrink == "tall")
-    ref = RowLoop(case, case.info)
-    v_ref, _ = ref.shrink()
-    assert rel_err(tall, ref.expand(v_ref.nan_to_num(0), case.base)) <= TOL[dtype]
-    untouched = torch.ones(case.x.shape[0], dtype=torch.bool, device=DEVICE)
-    untouched[torch.tensor(case.perm, dtype=torch.long, device=DEVICE)] = False
-    assert torch.equal(tall[untouched], case.base[untouched]), "rows outside the batch were written"
+    assert len(recipes) == 1 and recipes[0].mode == "tall"
+    assert [s.kernel for s in recipes[0].steps] == [tb._tall_shrink_kernel, tb._tall_expand_kernel]
+    _check(case, tall)
     plan.clear_cache()
 
 
 def test_recipes_follow_the_tall_entry(monkeypatch):
-    """A cached launch recipe is keyed by the path and its table entry: changing one_dot or shrink_min_rank
-    between calls (bench variants, --tune) takes effect without a cache clear."""
+    """A cached launch recipe is keyed by the path and its table entry: changing a group size between calls (bench
+    variants, --tune) takes effect without a cache clear; the path is chosen by rows and the pool's rank."""
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1}})
     a = plan.apply_path(64, 16)
-    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "one_dot": False}})
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "expand_group": 4}})
     b = plan.apply_path(64, 16)
     assert a[0] == b[0] == "tall" and a != b
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "min_rank": 32}})
     assert plan.apply_path(64, 16) == ("split",) and plan.apply_path(64, 32)[0] == "tall"  # by the pool's rank
 
 
-@pytest.mark.parametrize("table", ["default", "small"])
-@pytest.mark.parametrize("k", [1, 2])
-def test_one_dot_form_in_the_interpreter_against_float64(monkeypatch, k, table):
-    """The one-dot form (the GPU's default) runs in the interpreter only when forced; there its numpy dots depend
-    on the tile height, so it is checked against float64 here and for bits on the GPU."""
-    seg_lens, in_dim, widths, max_rank, permute = CASES[k]
-    rng = np.random.default_rng([k, 9])
-    case = make_case(rng, num_slots=5, max_rank=max_rank, slice_widths=widths, in_dim=in_dim, seg_lens=seg_lens,
-                     device=DEVICE, permute=permute, extra_rows=3)
-    made = plan.tall_plan
+def test_tall_config_ignores_keys_it_does_not_know(monkeypatch):
+    """A table written for an older tall form (one_dot, block_n...) still loads: unknown keys are dropped."""
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {"min_rows": 1024, "one_dot": True, "block_n": 64}})
+    assert plan.tall_config() == {**plan.TALL_DEFAULT, "min_rows": 1024}
 
-    def one_dot(sp, ep, nr):
-        tp = made(sp, ep, nr)
-        return dataclasses.replace(tp, shrink_kw={**tp.shrink_kw, "ONE_DOT": True},
-                                   expand_kw={**tp.expand_kw, "ONE_DOT": True}, runs={})
 
-    monkeypatch.setattr(plan, "tall_plan", one_dot)
-    tall = _apply(monkeypatch, SMALL_TABLE if table == "small" else dict(plan.TABLE), case, 1)
-    ref = RowLoop(case, case.info)
-    v_ref, _ = ref.shrink()
-    assert rel_err(tall, ref.expand(v_ref.nan_to_num(0), case.base)) <= TOL[torch.float32]
-    untouched = torch.ones(case.x.shape[0], dtype=torch.bool, device=DEVICE)
-    untouched[torch.tensor(case.perm, dtype=torch.long, device=DEVICE)] = False
-    assert torch.equal(tall[untouched], case.base[untouched])
-    plan.clear_cache()
+def test_shrink_stages_fit_the_shared_memory_bound():
+    sp = plan.shrink_plan(4096, 2, 64, torch.bfloat16, False, torch.device("cpu"))
+    tp, _ = plan.tall_plan(sp, (0, 14336, 28672), 64, torch.bfloat16)
+    c = plan.tall_config()
+    s = tp.shrink_kw
+    assert 2 <= s["num_stages"] <= c["shrink_stages"]
+    assert s["num_stages"] == 2 or (s["GROUP"] * 16 + s["BLOCK_N"]) * s["BLOCK_K"] * 2 * s["num_stages"] <= c["shrink_smem"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tl.dot is wrong in the interpreter; GPU only")
-@pytest.mark.parametrize("one_dot", [True, False])
+@pytest.mark.parametrize("groups", ["table", "eight"])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("shape", [(4096, (4096, 1024, 1024)), (14336, (4096,))])
-def test_gpu_tall_bits_llama_prefill(monkeypatch, rank, shape, one_dot):
+def test_gpu_tall_bits_llama_prefill(monkeypatch, rank, shape, groups):
     """bf16 prefill-like batch (long segments and a few decode rows, sorted): the tall path's bits equal the
     split-K path's, which the batch-invariance tests tie to every other batch."""
     in_dim, widths = shape
     rng = np.random.default_rng(rank)
     case = make_case(rng, num_slots=8, max_rank=rank, ranks=[rank] * 8, slice_widths=widths, in_dim=in_dim,
                      seg_lens=(700, 1, 1, 333, 64, 1024, 5), dtype=torch.bfloat16, device="cuda", permute=True)
-    base = {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "one_dot": one_dot}}
+    base = dict(plan.TABLE)
     split = _apply(monkeypatch, base, case, 0)
-    tall = _apply(monkeypatch, base, case, 1)
+    tall = _apply(monkeypatch, base, case, 1, **GROUPS[groups])
     assert torch.equal(tall, split)
     plan.clear_cache()
 
 
 _AOT = r'''
 import json
-from lora_kernels.backends.triton import kernels, plan, tall
+import torch
+from lora_kernels.backends.triton import plan, tall
 out = []
 for S, R, sp, offs, ep in llama_plans(True, expand_split=1):
-    tp = plan.tall_plan(sp, ep, S * R)
-    jobs = [(fn, {**kw, "ONE_DOT": one}, ptrs, ints) for one in (False, True) for fn, kw, ptrs, ints in (
+    tp, _ = plan.tall_plan(sp, offs, R, torch.bfloat16)
+    for fn, kw, ptrs, ints in (
             (tall._tall_shrink_kernel, tp.shrink_kw, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
              ("MT", "K", "R", "NR", "k_chunk")),
             (tall._tall_expand_kernel, tp.expand_kw, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
-             ("MT", "R", "NR", "OUT", "off1", "off2", "off3", "t1", "t2", "t3")))]
-    jobs.append(
-            (kernels._shrink_kernel, {**sp.kw, "PARTIAL": True}, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
-             ("MT", "K", "R", "NR", "num_rows", "k_chunk")))
-    for fn, kw, ptrs, ints in jobs:
+             ("MT", "R", "NR", "OUT", "off1", "off2", "off3", "t1", "t2", "t3"))):
         k = compile90(fn, {**kw, "PDL": True}, ptrs, ints, scalings=fn is tall._tall_expand_kernel)
         ptx = k.asm["ptx"]
-        out.append({"S": S, "R": R, "kernel": fn.fn.__name__, "one_dot": kw.get("ONE_DOT"), "shared": k.metadata.shared,
+        out.append({"S": S, "R": R, "kernel": fn.fn.__name__, "rows": kw["GROUP"] * 16, "shared": k.metadata.shared,
                     "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx})
 print(json.dumps(out))
 '''
 
 
 def test_tall_kernels_compile_for_sm90():
-    """The tall kernels compile for sm90 (cubin, ptxas included) at the Llama-3-8B shapes, bf16, PDL. The four-dot
-    form uses mma.sync like the 16-row kernels; the one-dot form wgmma, whose per-row bits equal mma.sync's on
-    the H200 (scripts/triton_dot_bits.py; the GPU tests assert the bits)."""
+    """The tall kernels compile for sm90 (cubin, ptxas included) at the Llama-3-8B shapes, bf16, PDL: 64-row dots
+    take wgmma, narrower ones mma.sync (per-row bits equal on the H200,
+    scripts/triton_dot_bits.py; the GPU tests assert them)."""
     pytest.importorskip("triton.backends.nvidia")
     ks = compile_for_sm90(_AOT)
-    assert len(ks) == 15
+    assert len(ks) == 6
     for k in ks:
-        assert k["wgmma"] if k["one_dot"] else (k["mma_sync"] and not k["wgmma"]), k
+        assert k["wgmma"] or k["mma_sync"], k
         assert 0 < k["shared"] <= 227 * 1024, k

@@ -73,6 +73,9 @@ def _profile(label, step, device, top):
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"\n## {label}: {kernels} GPU kernels/copies per step; ops by self host time")
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    if device == "cuda":  # a prefill step is device-bound: where its GPU time goes
+        print(f"\n## {label}: ops by self GPU time")
+        print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
 
 
 def _inside_patched(mlm, step, reps=20) -> str:

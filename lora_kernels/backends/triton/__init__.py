@@ -7,8 +7,8 @@
                   v (no reduction kernel, no atomics); from `plan.reduce_first` rows on the partials are
                   reduced once first, so that no column tile re-reads them; up to `plan.fused_rows()` rows,
                   both in one launch (fused.py), with the same bits; from `plan.tall_rows()` rows on, tall
-                  tiles (tall.py): the shrink sums its K splits in registers into v, the expand reads v, again
-                  with the same bits
+                  tiles (tall.py): groups of work-list tiles per dot, the shrink sums its K splits in registers
+                  into v, the expand reads v, again with the same bits
 
 Every kernel walks the batch's work list (`LoRABatchInfo.work`) with a persistent grid; plans come from
 shapes only (plan.py), launches from cached compiled kernels (launch.py).
@@ -79,16 +79,16 @@ def _fused_step(sp, x_shape, NR, R, slice_offsets, dtype, has_perm, max_tiles, d
                  fp.kw)
 
 
-def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, has_perm, max_tiles, device) -> tuple:
+def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, max_tiles, device) -> tuple:
     """The tall-tile shrink (into v of v_dtype) and expand (adds to out) launches."""
-    ep = _plan.expand_plan(slice_offsets, R, dtype, has_perm, 1, device)
-    tp = _plan.tall_plan(sp, ep, NR)
-    s_grid = _plan.grid(max_tiles * tp.s_tiles, tp.ctas, device)
-    e_grid = _plan.grid(max_tiles * ep.n_tiles, tp.ctas, device)
+    tp, scalars = _plan.tall_plan(sp, slice_offsets, R, dtype)
+    s, e = tp.shrink_kw, tp.expand_kw
+    s_grid = _plan.grid(-(-max_tiles // s["GROUP"]) * s["N_COLS"], tp.ctas, device)
+    e_grid = _plan.grid(-(-max_tiles // e["GROUP"]) * e["N_COLS"], tp.ctas, device)
     shrink = _Step(_tall_shrink_kernel, tp.runs, ("tall-s", v_dtype), s_grid,
-                   (max_tiles, x_shape[1], NR // (len(slice_offsets) - 1), NR, sp.k_chunk), tp.shrink_kw)
+                   (max_tiles, x_shape[1], R, NR, sp.k_chunk), s)
     expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype), e_grid,
-                   (max_tiles, R, NR, slice_offsets[-1], *ep.scalars), tp.expand_kw)
+                   (max_tiles, R, NR, slice_offsets[-1], *scalars), e)
     return shrink, expand
 
 
@@ -122,15 +122,14 @@ def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recip
     if path[0] == "fused":
         return _Recipe("fused", (_fused_step(sp, x.shape, NR, R, slice_offsets, x.dtype, has_perm, mt, dev),), ws, None)
     if path[0] == "tall":
-        tall = _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, has_perm, mt, dev)
-        if R >= _plan.tall_config()["shrink_min_rank"]:
-            return _Recipe("tall", tall, None, (rows, NR))
+        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, mt, dev), None,
+                       (rows, NR))
     shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
-    # The partials are reduced into v first for the tall expand (it reads v) and from reduce_first rows on (no
-    # column tile re-reads them); otherwise the expand adds them itself.
-    reduce = sp.split > 1 and (path[0] == "tall" or _plan.reduce_first(rows))
-    expand = tall[1] if path[0] == "tall" else _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm,
-                                                            1 if reduce else sp.split, mt, dev)
+    # The partials are reduced into v first from reduce_first rows on (no column tile re-reads them); otherwise the
+    # expand adds them itself.
+    reduce = sp.split > 1 and _plan.reduce_first(rows)
+    expand = _expand_step(rows, R, slice_offsets, torch.float32, x.dtype, has_perm, 1 if reduce else sp.split, mt,
+                          dev)
     if not reduce:
         return _Recipe("two", (shrink, expand), ws, None)
     return _Recipe("reduce", (shrink, _reduce_step(sp, rows, NR // S, NR, mt, torch.float32, dev), expand), ws,

@@ -21,14 +21,14 @@ TABLE = dict(tables.TRITON_BLOCKS)  # may be replaced for experiments, followed 
 # The one-launch decode path (fused.py) until a --tune run measures it into the table: off (max_rows 0).
 FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # The tall-tile path for long segments (tall.py) until a --tune run measures it into the table: off (min_rows 0).
-# one_dot: one 64-row dot per step (wgmma on sm90; its bits equal mma.sync's per row there, which
-# scripts/triton_dot_bits.py checks and the GPU tests assert) rather than four 16-row dots; the interpreter's
-# numpy dots differ by height, so it runs the four-dot form.
-# shrink_min_rank: the tall shrink from this pool rank on; below it the split-K shrink (more programs for a narrow
-# S*R) and its reduction write v, which the tall expand reads (the same v either way).
-# min_rank: the tall path only for pools of this rank or more (shape-only, so the bits do not change).
-TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "block_n": 64, "num_warps": 4, "ctas_per_sm": 2, "one_dot": True,
-                "shrink_min_rank": 0}
+# Groups of work-list tiles per dot (shrink_group * 16 rows, expand_group * 16; pools of rank >= wide_rank use the
+# _wide expand entries), column tiles, warps; the shrink's pipeline stages drop until its shared memory fits
+# shrink_smem; a persistent grid of ctas_per_sm programs per SM strides over the items. Measured on the H200
+# (exp A/B, Llama-3-8B modules, 8 x 1024 rows): 64-row shrink tiles with 4 stages, 32-row expand tiles at r16 and
+# 64-row ones with 8 warps at r64. min_rank: the path only for pools of this rank or more.
+TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4,
+                "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32,
+                "expand_group_wide": 4, "expand_warps_wide": 8, "ctas_per_sm": 16}
 _cache: dict = {}
 _sms: dict = {}
 
@@ -145,19 +145,26 @@ def _make_expand_plan(slice_offsets, max_rank, dtype, has_perm, n_split, device)
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     br = max(16, _pow2(max_rank))  # the whole rank in one dot: v is loaded once per slice of a tile
     bn = max(16, min(c["block_n"], _pow2(max(widths)), c["tile_elems"] // br))
-    tiles = [_cdiv(w, bn) for w in widths]
-    starts = [sum(tiles[: i + 1]) for i in range(len(tiles))]  # t1, t2, ... (cumulative)
-    total = starts[-1]
-    out_total = slice_offsets[-1]
-    offs = list(slice_offsets[1:-1]) + [out_total] * (4 - len(widths))
-    ts = starts[:-1] + [total] * (4 - len(widths))
+    total, scalars = slice_tiles(slice_offsets, bn)
     # prefetch: the next column tile's loads in flight by hand (kernels._expand_tile); absent from older tables.
     kw = dict(HAS_PERM=has_perm, SPLIT=n_split, N_TILES=total, SLICES=len(widths), BLOCK_M=TILE_M, BLOCK_N=bn,
               BLOCK_R=br, DOT_PREC=_dot_prec(dtype), PDL=use_pdl(device), PREFETCH=bool(c.get("prefetch", False)),
               num_warps=c["num_warps"], num_stages=c["num_stages"])
     if kw["PDL"]:
         kw["launch_pdl"] = True
-    return ExpandPlan(total, tuple(offs[:3] + ts[:3]), kw, c["ctas_per_sm"])
+    return ExpandPlan(total, scalars, kw, c["ctas_per_sm"])
+
+
+def slice_tiles(slice_offsets: tuple, bn: int) -> tuple:
+    """(column tiles of all slices, (off1, off2, off3, t1, t2, t3)) for tiles of bn columns that never straddle a
+    slice: slice i owns tiles [t_i, t_{i+1}) and columns [off_i, off_{i+1}) (absent slices padded with the ends)."""
+    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
+    tiles = [_cdiv(w, bn) for w in widths]
+    starts = [sum(tiles[: i + 1]) for i in range(len(tiles))]  # t1, t2, ... (cumulative)
+    total = starts[-1]
+    offs = list(slice_offsets[1:-1]) + [slice_offsets[-1]] * (4 - len(widths))
+    ts = starts[:-1] + [total] * (4 - len(widths))
+    return total, tuple(offs[:3] + ts[:3])
 
 
 @dataclass(frozen=True)
@@ -181,31 +188,41 @@ def fused_plan(sp: ShrinkPlan, ep: ExpandPlan) -> FusedPlan:
 
 @dataclass(frozen=True)
 class TallPlan:
-    shrink_kw: dict  # the shrink's BLOCK_K, k_chunk and split (the same chains), the tall table's column tiles
+    shrink_kw: dict  # the split-K shrink's BLOCK_K, k_chunk and split (the same chains), the tall table's tiles
     expand_kw: dict
-    s_tiles: int
     ctas: int
     runs: dict = field(default_factory=dict)
 
 
-def tall_plan(sp: ShrinkPlan, ep: ExpandPlan, nr: int) -> TallPlan:
-    """The tall-tile kernels' constexprs: every reduction as in sp / ep (bits), the shrink's column tiles (nr = S*R
-    columns) from the tall table; the expand's column tiles are ep's (its slice scalars depend on them)."""
+def tall_plan(sp: ShrinkPlan, slice_offsets: tuple, max_rank: int, dtype: torch.dtype) -> tuple:
+    """(TallPlan, the expand's slice scalars) of the tall-tile kernels: every reduction as in sp and the expand
+    plans (bits), the tiles from the tall table."""
     c = tall_config()
-    s, e = sp.kw, ep.kw
-    bn = max(16, min(s["BLOCK_N"], c["block_n"]))
-    common = dict(HAS_PERM=s["HAS_PERM"], BLOCK_M=TILE_M, DOT_PREC=s["DOT_PREC"], PDL=s["PDL"],
-                  ONE_DOT=bool(c["one_dot"]) and not INTERPRET, num_warps=c["num_warps"], num_stages=s["num_stages"])
-    skw = dict(common, SPLIT=sp.split, N_TILES=_cdiv(nr, bn), BLOCK_N=bn, BLOCK_K=s["BLOCK_K"])
-    ekw = dict(common, N_TILES=e["N_TILES"], SLICES=e["SLICES"], BLOCK_N=e["BLOCK_N"], BLOCK_R=e["BLOCK_R"])
+    s = sp.kw
+    nr = (len(slice_offsets) - 1) * max_rank
+    bn = max(16, min(_pow2(nr), c["shrink_n"]))
+    stages, rows = c["shrink_stages"], c["shrink_group"] * TILE_M
+    while stages > 2 and (rows + bn) * s["BLOCK_K"] * dtype.itemsize * stages > c["shrink_smem"]:
+        stages -= 1
+    common = dict(HAS_PERM=s["HAS_PERM"], BLOCK_M=TILE_M, DOT_PREC=s["DOT_PREC"], PDL=s["PDL"])
+    skw = dict(common, SPLIT=sp.split, GROUP=c["shrink_group"], N_COLS=_cdiv(nr, bn), BLOCK_N=bn,
+               BLOCK_K=s["BLOCK_K"], num_warps=c["shrink_warps"], num_stages=stages)
+    wide = "_wide" if max_rank >= c["wide_rank"] else ""
+    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
+    ebn = max(16, min(c["expand_n"], _pow2(max(widths))))
+    n_cols, scalars = slice_tiles(slice_offsets, ebn)
+    ekw = dict(common, GROUP=c["expand_group" + wide], N_COLS=n_cols, BLOCK_N=ebn, BLOCK_R=max(16, _pow2(max_rank)),
+               num_warps=c["expand_warps" + wide], num_stages=1)
     if s["PDL"]:
         skw["launch_pdl"] = ekw["launch_pdl"] = True
-    return cached(("t", *sorted(skw.items()), *sorted(ekw.items())),
-                  lambda: TallPlan(skw, ekw, skw["N_TILES"], c["ctas_per_sm"]))
+    tp = cached(("t", *sorted(skw.items()), *sorted(ekw.items())), lambda: TallPlan(skw, ekw, c["ctas_per_sm"]))
+    return tp, scalars
 
 
 def tall_config() -> dict:
-    return {**TALL_DEFAULT, **TABLE.get("tall", {})}
+    """The tall entry: the table's values for the keys this code knows, defaults for the rest."""
+    table = TABLE.get("tall", {})
+    return {k: table.get(k, v) for k, v in TALL_DEFAULT.items()}
 
 
 def tall_rows() -> int:

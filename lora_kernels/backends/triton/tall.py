@@ -1,210 +1,151 @@
-"""Tall tiles for long segments (prefill): GROUP consecutive work-list tiles of one segment per item.
+"""Tall tiles for long segments (prefill): each item is one group of GROUP consecutive work-list tiles and one
+column tile, run with dots of GROUP * BLOCK_M rows (BLOCK_M: the work list's tile height, 16).
 
-With 16-row tiles a prefill module re-reads every adapter's A and B blocks once per 16 rows: at r64 that
-is about 5 GB of L2 traffic per Llama-3-8B layer of 8192 rows, more than the layer's HBM bytes. Here one
-item takes up to GROUP tiles of a segment, loads each A (or B) block once and runs GROUP dots of the
-ordinary 16-row height on it, so the L2 traffic drops by GROUP while every row's product is the same
-instruction sequence as in the 16-row kernels (a taller `tl.dot` could lower to another tensor-core
-instruction, and its bits are not promised to match).
+With 16-row tiles a prefill module re-reads every adapter's A and B blocks once per 16 rows, and each program
+streams a chain of column tiles with one load in flight: the split path's expand reached 1.1-2.6x a memcpy of
+base_out's bytes on the H200. Here the work list's tiles are taken GROUP at a time (group g: tiles
+[g * GROUP, (g + 1) * GROUP)), and every item (group, column tile) is independent: a persistent grid of many
+programs per SM strides over the items, so each SM keeps several base_out tiles in flight.
 
-The shrink runs the SPLIT K chunks of its item in one program and adds their chains in split order in
-registers: exactly what `_sum_splits` does with the fp32 partials of the split-K path, without writing and
-re-reading them. So a row's v and output bits equal those of the 16-row path (tested), and `apply_lora` may
-pick this path by the number of rows without breaking batch invariance.
+A group may hold tiles of several segments (a prefill segment's last tile, decode rows of a mixed batch). Its
+tiles are cut into runs: consecutive tiles with the same slot whose rows follow each other. Each run is one dot
+of GROUP * BLOCK_M rows, masked to the run's rows, so a row is only ever computed with its own adapter.
 
-Tall tiles are counted back from each segment's end: tile t leads one if it is its segment's first tile
-(tile t - 1 ends elsewhere) or has a multiple of GROUP tiles after it, minus one; it covers itself and the
-tiles up to the next leader. Non-leading tiles' items do nothing.
+Bits: the shrink runs the SPLIT K chunks of the split-K path (same BLOCK_K chains), and adds them in split
+order in registers, as `_sum_splits` adds the partials; the expand casts the same fp32 v to the adapter's dtype
+and runs one dot over BLOCK_R, as `_expand_col` does. The per-row result of a `tl.dot` does not depend on the
+tile height on sm90 (wgmma for 64-row tiles, mma.sync for 16 and 32: scripts/triton_dot_bits.py, and the GPU
+tests assert the bits against the split path), so `apply_lora` may pick this path by the number of rows without
+breaking batch invariance. The interpreter's numpy dots do depend on the height: there, only GROUP = 1 gives the
+split path's bits (tested), taller groups are checked against float64.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra import cuda as _gdc
 
-from lora_kernels.backends.triton.kernels import (_chunk, _expand_col, _expand_tile, _load_b, _load_v, _rank, _rows,
-                                                  _shrink_dot, _slice_span, _tile)
-
-GROUP = 4  # work-list tiles per tall tile: the kernels below hold one accumulator per tile
+from lora_kernels.backends.triton.kernels import _expand_col, _load_b, _load_v, _rank, _rows
 
 
 @triton.jit
-def _tall_head(work, t, MT, TILE: tl.constexpr):
-    """(slot, first row, end row, leads) of the tall tile that tile t leads (leads False: t does not lead one)."""
-    slot, row0, end = _tile(work, t, MT)
-    prev_end = tl.load(work + 2 * MT + t, mask=t > 0, other=-1)  # end row of tile t - 1
-    after = (end - row0 - 1) // TILE  # tiles after t in its segment
-    lim = tl.minimum(end, row0 + TILE * (after % 4 + 1))
-    return slot, row0, lim, (prev_end != end) | (after % 4 == 3)
+def _run(work, g0, r: tl.constexpr, n_tiles, MT, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile t = g0 + r of a group: (slot, lo, hi, starts). starts: t exists and begins a run (r = 0, or tile t - 1
+    has another slot or does not end where t begins); [lo, hi): the segmented rows of the run that t begins
+    (t's rows and those of the group's next tiles that continue it). The work list holds each tile's first row
+    and its segment's end: a tile ends BLOCK_M rows on, or at that end."""
+    t = g0 + r
+    valid = t < n_tiles
+    slot = tl.load(work + 1 + t, mask=valid, other=-1)
+    lo = tl.load(work + 1 + MT + t, mask=valid, other=0)
+    hi = tl.minimum(tl.load(work + 1 + 2 * MT + t, mask=valid, other=0), lo + BLOCK_M)
+    starts = valid
+    if r > 0:  # tile t - 1 exists where t does
+        prev_slot = tl.load(work + t, mask=valid, other=-1)
+        prev_lo = tl.load(work + MT + t, mask=valid, other=0)
+        prev_hi = tl.minimum(tl.load(work + 2 * MT + t, mask=valid, other=0), prev_lo + BLOCK_M)
+        starts = valid & ((prev_slot != slot) | (prev_hi != lo))
+    cont = valid
+    for q in tl.static_range(r + 1, GROUP):
+        tq = g0 + q
+        cont = cont & (tq < n_tiles)
+        sq = tl.load(work + 1 + tq, mask=cont, other=-2)
+        lq = tl.load(work + 1 + MT + tq, mask=cont, other=-1)
+        eq = tl.minimum(tl.load(work + 1 + 2 * MT + tq, mask=cont, other=0), lq + BLOCK_M)
+        cont = cont & (sq == slot) & (lq == hi)
+        hi = tl.where(cont, eq, hi)
+    return slot, lo, hi, starts
 
 
 @triton.jit
-def _tall_chain(x_ptr, a_rows, r0, r1, r2, r3, m0, m1, m2, m3, live, k_begin, k_end, K, c0, c1, c2, c3,
-                BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The 16-row dot chain of `_shrink_dot` over [k_begin, k_end) for four row tiles sharing each A block."""
-    for k in range(k_begin, k_end, BLOCK_K):
-        kk = k + tl.arange(0, BLOCK_K)
-        k_mask = kk < k_end
-        at = tl.trans(tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0))
-        c0 = tl.dot(tl.load(x_ptr + r0[:, None] * K + kk[None, :], mask=m0[:, None] & k_mask[None, :], other=0.0),
-                    at, c0, input_precision=DOT_PREC)
-        c1 = tl.dot(tl.load(x_ptr + r1[:, None] * K + kk[None, :], mask=m1[:, None] & k_mask[None, :], other=0.0),
-                    at, c1, input_precision=DOT_PREC)
-        c2 = tl.dot(tl.load(x_ptr + r2[:, None] * K + kk[None, :], mask=m2[:, None] & k_mask[None, :], other=0.0),
-                    at, c2, input_precision=DOT_PREC)
-        c3 = tl.dot(tl.load(x_ptr + r3[:, None] * K + kk[None, :], mask=m3[:, None] & k_mask[None, :], other=0.0),
-                    at, c3, input_precision=DOT_PREC)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def _store_v(out_ptr, rows, row_mask, cols, col_mask, live, acc, NR):
-    acc = tl.where(live[None, :], acc, 0.0)
-    tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _shrink_one(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
-                HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A tall shrink item with one dot of 4 * BLOCK_M rows per K step."""
-    rank, slot64 = _rank(slot, lora_ranks)
-    rows, row_mask = _rows(perm_ptr, row0, lim, 4 * BLOCK_M, HAS_PERM)
-    cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < NR
-    live = col_mask & ((cols % R) < rank)
-    acc = tl.zeros((4 * BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if rank > 0:
-        acc = _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, 0, tl.minimum(k_chunk, K), K, NR,
-                          BLOCK_K, DOT_PREC, False)
-        for s in range(1, SPLIT):  # later chunks added in split order, as _sum_splits adds the partials
-            k_begin = s * k_chunk
-            acc += _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin,
-                               tl.minimum(k_begin + k_chunk, K), K, NR, BLOCK_K, DOT_PREC, False)
-    _store_v(out_ptr, rows, row_mask, cols, col_mask, live, acc, NR)
-
-
-@triton.jit
-def _shrink_four(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
-                 HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A tall shrink item with four dots of BLOCK_M rows per K step, sharing each A block."""
-    rank, slot64 = _rank(slot, lora_ranks)
-    r0, m0 = _rows(perm_ptr, row0, lim, BLOCK_M, HAS_PERM)
-    r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, lim, BLOCK_M, HAS_PERM)
-    r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-    r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-    cols = (w % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < NR
-    live = col_mask & ((cols % R) < rank)
-    s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s1, s2, s3 = s0, s0, s0
-    if rank > 0:
-        a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
-        z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s0, s1, s2, s3 = _tall_chain(x_ptr, a_rows, r0, r1, r2, r3, m0, m1, m2, m3, live, 0,
-                                     tl.minimum(k_chunk, K), K, z, z, z, z, BLOCK_K, DOT_PREC)
-        for s in range(1, SPLIT):  # later chunks added in split order, as _sum_splits adds the partials
-            k_begin = s * k_chunk
-            c0, c1, c2, c3 = _tall_chain(x_ptr, a_rows, r0, r1, r2, r3, m0, m1, m2, m3, live, k_begin,
-                                         tl.minimum(k_begin + k_chunk, K), K, z, z, z, z, BLOCK_K, DOT_PREC)
-            s0, s1, s2, s3 = s0 + c0, s1 + c1, s2 + c2, s3 + c3
-    _store_v(out_ptr, r0, m0, cols, col_mask, live, s0, NR)
-    _store_v(out_ptr, r1, m1, cols, col_mask, live, s1, NR)
-    _store_v(out_ptr, r2, m2, cols, col_mask, live, s2, NR)
-    _store_v(out_ptr, r3, m3, cols, col_mask, live, s3, NR)
+def _items(work, N_COLS, GROUP: tl.constexpr):
+    """The number of tiles and of items (group, column tile) of this batch."""
+    n_tiles = tl.load(work)
+    return n_tiles, tl.cdiv(n_tiles, GROUP) * N_COLS
 
 
 @triton.jit(do_not_specialize=["MT"])
 def _tall_shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, K, R, NR, k_chunk,
-                        HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                        ONE_DOT: tl.constexpr):
-    """Item (tile, column tile): v[row, c] = sum over the SPLIT chunks, in split order, of each chunk's chain, for
-    the rows of the tall tile that the tile leads; 0 for columns j >= rank and for slot -1 / rank-0 rows.
-    ONE_DOT: one dot of 4 * BLOCK_M rows per K step instead of four of BLOCK_M (on sm90 wgmma instead of
-    mma.sync: the same bits per row on the H200, scripts/triton_dot_bits.py; not in the interpreter)."""
+                        HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, N_COLS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Item (group, column tile): v[row, c] = the sum over the SPLIT K chunks, in split order, of each chunk's
+    BLOCK_K dot chain, for every run of the group; 0 for columns j >= rank and rows of slot -1 / rank 0."""
     if PDL:
         _gdc.gdc_launch_dependents()
+    n_tiles, items = _items(work, N_COLS, GROUP)
+    if PDL:
         _gdc.gdc_wait()
-    start, stop = _chunk(tl.load(work) * N_TILES)
-    for w in range(start, stop):
-        slot, row0, lim, leads = _tall_head(work, w // N_TILES, MT, BLOCK_M)
-        if leads:
-            if ONE_DOT:
-                _shrink_one(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
-                            HAS_PERM, SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
-            else:
-                _shrink_four(x_ptr, a_ptr, out_ptr, lora_ranks, perm_ptr, slot, row0, lim, w, K, R, NR, k_chunk,
-                             HAS_PERM, SPLIT, N_TILES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+    for it in range(tl.program_id(0), items, tl.num_programs(0)):
+        g0 = (it // N_COLS) * GROUP
+        cols = (it % N_COLS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < NR
+        for r in tl.static_range(GROUP):
+            slot, lo, hi, starts = _run(work, g0, r, n_tiles, MT, GROUP, BLOCK_M)
+            if starts:
+                rank, slot64 = _rank(slot, lora_ranks)
+                rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
+                live = col_mask & ((cols % R) < rank)
+                acc = tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if rank > 0:
+                    a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
+                    x_rows = x_ptr + rows[:, None] * K
+                    for s in range(SPLIT):
+                        k_begin = s * k_chunk
+                        k_end = tl.minimum(k_begin + k_chunk, K)
+                        chain = tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        for k in range(k_begin, k_end, BLOCK_K):
+                            kk = k + tl.arange(0, BLOCK_K)
+                            k_mask = kk < k_end
+                            at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
+                            xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                            chain = tl.dot(xt, tl.trans(at), chain, input_precision=DOT_PREC)
+                        if s == 0:
+                            acc = chain
+                        else:
+                            acc += chain
+                acc = tl.where(live[None, :], acc, 0.0)
+                tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _tall_col(bt, vt, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC: tl.constexpr):
-    """One row tile of a four-dot column tile: its base rows, then _expand_col (the one place that writes out)."""
-    base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-    _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, scale, OUT, DOT_PREC)
-
-
-@triton.jit
-def _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT, off1, off2,
-                 off3, t1, t2, t3, HAS_PERM: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A tall expand item with four dots of BLOCK_M rows per column tile, sharing each B block."""
-    r0, m0 = _rows(perm_ptr, row0, lim, BLOCK_M, HAS_PERM)
-    r1, m1 = _rows(perm_ptr, row0 + BLOCK_M, lim, BLOCK_M, HAS_PERM)
-    r2, m2 = _rows(perm_ptr, row0 + 2 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-    r3, m3 = _rows(perm_ptr, row0 + 3 * BLOCK_M, lim, BLOCK_M, HAS_PERM)
-    scale = tl.load(scalings + slot64)
-    j = tl.arange(0, BLOCK_R)
-    j_mask = j < rank
-    b_slot = b_ptr + slot64 * OUT * R
-    dt = b_ptr.dtype.element_ty
-    for i in tl.static_range(SLICES):
-        ts, lo, hi, a, b = _slice_span(i, c0, c1, off1, off2, off3, t1, t2, t3, N_TILES, OUT)
-        if a < b:
-            v0 = _load_v(v_ptr, r0, m0, i, R, j, j_mask, 0, NR, 1, False).to(dt)
-            v1 = _load_v(v_ptr, r1, m1, i, R, j, j_mask, 0, NR, 1, False).to(dt)
-            v2 = _load_v(v_ptr, r2, m2, i, R, j, j_mask, 0, NR, 1, False).to(dt)
-            v3 = _load_v(v_ptr, r3, m3, i, R, j, j_mask, 0, NR, 1, False).to(dt)
-            for ct in range(a, b):
-                n = lo + (ct - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_mask = n < hi
-                bt = _load_b(b_slot, n, n_mask, j, j_mask, R)
-                _tall_col(bt, v0, out_ptr, r0, m0, n, n_mask, scale, OUT, DOT_PREC)
-                _tall_col(bt, v1, out_ptr, r1, m1, n, n_mask, scale, OUT, DOT_PREC)
-                _tall_col(bt, v2, out_ptr, r2, m2, n, n_mask, scale, OUT, DOT_PREC)
-                _tall_col(bt, v3, out_ptr, r3, m3, n, n_mask, scale, OUT, DOT_PREC)
+def _col_span(c, off1, off2, off3, t1, t2, t3, OUT, BLOCK_N: tl.constexpr):
+    """Column tile c (numbered over all slices, slice i owning tiles [t_i, t_{i+1})): its slice i, columns n and
+    their mask (columns of slice i only)."""
+    i = (c >= t1).to(tl.int32) + (c >= t2).to(tl.int32) + (c >= t3).to(tl.int32)
+    ts = tl.where(i == 0, 0, tl.where(i == 1, t1, tl.where(i == 2, t2, t3)))
+    lo = tl.where(i == 0, 0, tl.where(i == 1, off1, tl.where(i == 2, off2, off3)))
+    hi = tl.where(i == 0, off1, tl.where(i == 1, off2, tl.where(i == 2, off3, OUT)))
+    n = lo + (c - ts) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return i, n, n < hi
 
 
 @triton.jit(do_not_specialize=["MT"])
 def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                         MT, R, NR, OUT, off1, off2, off3, t1, t2, t3,
-                        HAS_PERM: tl.constexpr, N_TILES: tl.constexpr, SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                        ONE_DOT: tl.constexpr):
-    """Item (tile, column tile) of a leading tile: out[row, n] += scaling * v[row, i*R:(i+1)*R] B[slot, n, :]ᵀ for
-    the rows of its tall tile; v (reduced, SPLIT 1) is loaded once per slice of the program's chunk of the tile.
-    ONE_DOT: one dot of 4 * BLOCK_M rows per column tile, the next tile's loads in flight (_expand_tile)."""
+                        HAS_PERM: tl.constexpr, GROUP: tl.constexpr, N_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    """Item (group, column tile): out[row, n] += scaling * v[row, i*R:(i+1)*R] B[slot, n, :]ᵀ for every run of the
+    group with rank > 0 (v reduced, fp32); base_out's tile is loaded before v and B (the kernel is bound by
+    base_out's read and write)."""
     if PDL:
         _gdc.gdc_launch_dependents()
+    n_tiles, items = _items(work, N_COLS, GROUP)
+    if PDL:
         _gdc.gdc_wait()
-    start, stop = _chunk(tl.load(work) * N_TILES)
-    t = start // N_TILES
-    while t * N_TILES < stop:
-        slot, row0, lim, leads = _tall_head(work, t, MT, BLOCK_M)
-        rank, slot64 = _rank(slot, lora_ranks)
-        c0, c1 = tl.maximum(start - t * N_TILES, 0), tl.minimum(stop - t * N_TILES, N_TILES)
-        if leads & (rank > 0):
-            if ONE_DOT:
-                # The 16-row expand's code on all the tall tile's rows, with the next column tile's loads in flight
-                # (the expand is bound by base_out's DRAM traffic); v is reduced (SPLIT 1), nothing to wait for.
-                rows, row_mask = _rows(perm_ptr, row0, lim, 4 * BLOCK_M, HAS_PERM)
-                _expand_tile(v_ptr, work, t, 0, b_ptr, out_ptr, rows, row_mask, slot64, rank, tl.load(scalings + slot64),
-                             c0, c1, R, NR, OUT, 0, off1, off2, off3, t1, t2, t3, 1, N_TILES, SLICES, BLOCK_N, BLOCK_R,
-                             DOT_PREC, False, True)
-            else:
-                _expand_four(v_ptr, b_ptr, out_ptr, scalings, perm_ptr, slot64, rank, row0, lim, c0, c1, R, NR, OUT,
-                             off1, off2, off3, t1, t2, t3, HAS_PERM, N_TILES, SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                             DOT_PREC)
-        t += 1
+    j = tl.arange(0, BLOCK_R)
+    for it in range(tl.program_id(0), items, tl.num_programs(0)):
+        g0 = (it // N_COLS) * GROUP
+        i, n, n_mask = _col_span(it % N_COLS, off1, off2, off3, t1, t2, t3, OUT, BLOCK_N)
+        for r in tl.static_range(GROUP):
+            slot, lo, hi, starts = _run(work, g0, r, n_tiles, MT, GROUP, BLOCK_M)
+            rank, slot64 = _rank(slot, lora_ranks)
+            if starts & (rank > 0):
+                rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
+                base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :],
+                               other=0.0)
+                j_mask = j < rank
+                vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, 0, NR, 1, False).to(b_ptr.dtype.element_ty)
+                bt = _load_b(b_ptr + slot64 * OUT * R, n, n_mask, j, j_mask, R)
+                _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, tl.load(scalings + slot64), OUT,
+                            DOT_PREC)
