@@ -23,12 +23,13 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # The tall-tile path for long segments (tall.py) until a --tune run measures it into the table: off (min_rows 0).
 # Groups of work-list tiles per dot (shrink_group * 16 rows, expand_group * 16; pools of rank >= wide_rank use the
 # _wide expand entries), column tiles, warps; the shrink's pipeline stages drop until its shared memory fits
-# shrink_smem; a persistent grid of ctas_per_sm programs per SM strides over the items. Measured on the H200
+# shrink_smem; at most programs_per_sm programs per SM (4096: one per item, the form measured fastest), striding
+# over the items beyond. Measured on the H200
 # (exp A/B, Llama-3-8B modules, 8 x 1024 rows): 64-row shrink tiles with 4 stages, 32-row expand tiles at r16 and
 # 64-row ones with 8 warps at r64. min_rank: the path only for pools of this rank or more.
 TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4,
                 "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32,
-                "expand_group_wide": 4, "expand_warps_wide": 8, "ctas_per_sm": 16}
+                "expand_group_wide": 4, "expand_warps_wide": 8, "programs_per_sm": 4096}
 _cache: dict = {}
 _sms: dict = {}
 
@@ -215,7 +216,7 @@ def tall_plan(sp: ShrinkPlan, slice_offsets: tuple, max_rank: int, dtype: torch.
                num_warps=c["expand_warps" + wide], num_stages=1)
     if s["PDL"]:
         skw["launch_pdl"] = ekw["launch_pdl"] = True
-    tp = cached(("t", *sorted(skw.items()), *sorted(ekw.items())), lambda: TallPlan(skw, ekw, c["ctas_per_sm"]))
+    tp = cached(("t", *sorted(skw.items()), *sorted(ekw.items())), lambda: TallPlan(skw, ekw, c["programs_per_sm"]))
     return tp, scalars
 
 

@@ -4,8 +4,9 @@ column tile, run with dots of GROUP * BLOCK_M rows (BLOCK_M: the work list's til
 With 16-row tiles a prefill module re-reads every adapter's A and B blocks once per 16 rows, and each program
 streams a chain of column tiles with one load in flight: the split path's expand reached 1.1-2.6x a memcpy of
 base_out's bytes on the H200. Here the work list's tiles are taken GROUP at a time (group g: tiles
-[g * GROUP, (g + 1) * GROUP)), and every item (group, column tile) is independent: a persistent grid of many
-programs per SM strides over the items, so each SM keeps several base_out tiles in flight.
+[g * GROUP, (g + 1) * GROUP)), and every item (group, column tile) is independent: the grid has up to one
+program per item (the table's programs_per_sm caps it; programs then stride over the items), so each SM keeps as
+many base_out tiles in flight as fit.
 
 A group may hold tiles of several segments (a prefill segment's last tile, decode rows of a mixed batch). Its
 tiles are cut into runs: consecutive tiles with the same slot whose rows follow each other. Each run is one dot
@@ -44,14 +45,16 @@ def _run(work, g0, r: tl.constexpr, n_tiles, MT, GROUP: tl.constexpr, BLOCK_M: t
         prev_lo = tl.load(work + MT + t, mask=valid, other=0)
         prev_hi = tl.minimum(tl.load(work + 2 * MT + t, mask=valid, other=0), prev_lo + BLOCK_M)
         starts = valid & ((prev_slot != slot) | (prev_hi != lo))
+    # The next tiles' rows are loaded without waiting on each other (masked by existence only, so the loads issue
+    # together), then chained: tile q continues the run if every tile from t to q does.
     cont = valid
     for q in tl.static_range(r + 1, GROUP):
         tq = g0 + q
-        cont = cont & (tq < n_tiles)
-        sq = tl.load(work + 1 + tq, mask=cont, other=-2)
-        lq = tl.load(work + 1 + MT + tq, mask=cont, other=-1)
-        eq = tl.minimum(tl.load(work + 1 + 2 * MT + tq, mask=cont, other=0), lq + BLOCK_M)
-        cont = cont & (sq == slot) & (lq == hi)
+        here = tq < n_tiles
+        sq = tl.load(work + 1 + tq, mask=here, other=-2)
+        lq = tl.load(work + 1 + MT + tq, mask=here, other=-1)
+        eq = tl.minimum(tl.load(work + 1 + 2 * MT + tq, mask=here, other=0), lq + BLOCK_M)
+        cont = cont & here & (sq == slot) & (lq == hi)
         hi = tl.where(cont, eq, hi)
     return slot, lo, hi, starts
 
