@@ -336,7 +336,7 @@ def tune_candidates(keys: str = "") -> list[dict]:
     base["tall"] = plan.tall_config()  # the keys this code knows (an older table's tall form had others)
     knobs = [("fused", {"max_rows": 64}), ("fused", {"max_rows": 256}), ("fused", {"max_rows": 1024}),
              ("tall", {"min_rows": 1024, "min_rank": 0}), ("tall", {"min_rows": 1024, "min_rank": 32}),
-             ("tall", {"min_rows": 256}), ("tall", {"programs_per_sm": 16}), ("tall", {"shrink_stages": 3}),
+             ("tall", {"min_rows": 256}), ("tall", {"shrink_stages": 3}),
              ("tall", {"shrink_smem": 131072}), ("tall", {"expand_group": 4}), ("tall", {"expand_warps_wide": 4}),
              # The tall path's tiles come from an A/B of standalone kernels (session 6, H200, 8 x 1024 rows): 64-row
              # shrink tiles, 4 stages; expand 32 x 128 at r16, 64 x 128 with 8 warps at r64.

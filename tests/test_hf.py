@@ -169,6 +169,29 @@ def test_outside_calls_and_remove():
         mlm(input_ids=ids, attention_mask=mask, adapter_names=ROWS)
 
 
+def test_lm_head_input_contiguous_inside_calls():
+    """Prefill with logits_to_keep=1 hands lm_head a strided [batch, 1, hidden] view; inside a call it gets a
+    contiguous copy (one GEMM instead of a broadcast bmm for PEFT's frozen weight), outside and after remove()
+    the view as before; the logits do not change."""
+    pm = add_adapters(tiny_base("llama"))
+    ids, mask = inputs()
+    head = pm.get_base_model().get_output_embeddings()
+    with torch.no_grad():
+        ref = pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS, logits_to_keep=1).logits
+    mlm = enable_multi_lora(pm)
+    seen = []  # the probe runs after the integration's hook (registration order)
+    probe = head.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+    with torch.no_grad():
+        pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS, logits_to_keep=1)  # outside a call
+    out = mlm(input_ids=ids, attention_mask=mask, adapter_names=ROWS, logits_to_keep=1).logits
+    assert seen == [False, True] and rel(out, ref) <= 1e-5
+    mlm.remove()
+    with torch.no_grad():
+        pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS, logits_to_keep=1)
+    assert seen == [False, True, False]
+    probe.remove()
+
+
 def test_errors(tmp_path):
     pm = add_adapters(tiny_base("llama"))
     mlm = enable_multi_lora(pm)

@@ -236,8 +236,9 @@ class MultiLoRAModel:
             self.store.register_path(n, p)
         self._names = set(names)
         self._rt = _Runtime(self.pool, backend, max_batch_tokens)
-        self._patched, self._groups = [], []
+        self._patched, self._groups, self._hooks = [], [], []
         self._patch(layers)
+        self._hook_lm_head()
 
     # -- adapters ------------------------------------------------------------------------------------------
 
@@ -322,8 +323,27 @@ class MultiLoRAModel:
                     m.forward = functools.partial(_member_forward, self._rt, g, sl, m.forward)
                     self._patched.append((m, saved))
 
+    def _hook_lm_head(self) -> None:
+        """lm_head gets its input contiguous inside a call. Prefill hands it the last position's slice of the hidden
+        states ([batch, 1, hidden], a strided view); PEFT freezes the base weights, and for a weight that does not
+        require grad torch's matmul does not fold such a view into one GEMM: it broadcasts the vocab-sized weight
+        into a bmm (H200, 1B shape, 32 rows: 3.9 ms against ~0.1 ms, a fifth of the base prefill)."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if head is None:
+            return
+        rt = self._rt
+
+        def contiguous_input(module, args):
+            if rt.slots is not None and args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+                return (args[0].contiguous(), *args[1:])
+            return None
+        self._hooks.append(head.register_forward_pre_hook(contiguous_input))
+
     def remove(self) -> None:
         """Restores the model's modules (their own forward again); the MultiLoRAModel is unusable after."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         for m, saved in reversed(self._patched):
             if saved is None:
                 del m.forward

@@ -83,8 +83,8 @@ def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, max_tiles, de
     """The tall-tile shrink (into v of v_dtype) and expand (adds to out) launches."""
     tp, scalars = _plan.tall_plan(sp, slice_offsets, R, dtype)
     s, e = tp.shrink_kw, tp.expand_kw
-    s_grid = _plan.grid(-(-max_tiles // s["GROUP"]) * s["N_COLS"], tp.ctas, device)
-    e_grid = _plan.grid(-(-max_tiles // e["GROUP"]) * e["N_COLS"], tp.ctas, device)
+    s_grid = (max(1, -(-max_tiles // s["GROUP"]) * s["N_COLS"]),)  # one program per item of the capacity
+    e_grid = (max(1, -(-max_tiles // e["GROUP"]) * e["N_COLS"]),)
     shrink = _Step(_tall_shrink_kernel, tp.runs, ("tall-s", v_dtype), s_grid,
                    (max_tiles, x_shape[1], R, NR, sp.k_chunk), s)
     expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype), e_grid,

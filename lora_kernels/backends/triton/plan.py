@@ -23,8 +23,7 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # The tall-tile path for long segments (tall.py) until a --tune run measures it into the table: off (min_rows 0).
 # Groups of work-list tiles per dot (shrink_group * 16 rows, expand_group * 16; pools of rank >= wide_rank use the
 # _wide expand entries), column tiles, warps; the shrink's pipeline stages drop until its shared memory fits
-# shrink_smem; at most programs_per_sm programs per SM (4096: one per item, the form measured fastest), striding
-# over the items beyond. Measured on the H200
+# shrink_smem; one program per item (group, column tile). Measured on the H200
 # (exp A/B, Llama-3-8B modules, 8 x 1024 rows): 64-row shrink tiles with 4 stages, 32-row expand tiles at r16 and
 # 64-row ones with 8 warps at r64. min_rank: the path only for pools of this rank or more.
 TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4,
@@ -191,7 +190,6 @@ def fused_plan(sp: ShrinkPlan, ep: ExpandPlan) -> FusedPlan:
 class TallPlan:
     shrink_kw: dict  # the split-K shrink's BLOCK_K, k_chunk and split (the same chains), the tall table's tiles
     expand_kw: dict
-    ctas: int
     runs: dict = field(default_factory=dict)
 
 
@@ -216,7 +214,7 @@ def tall_plan(sp: ShrinkPlan, slice_offsets: tuple, max_rank: int, dtype: torch.
                num_warps=c["expand_warps" + wide], num_stages=1)
     if s["PDL"]:
         skw["launch_pdl"] = ekw["launch_pdl"] = True
-    tp = cached(("t", *sorted(skw.items()), *sorted(ekw.items())), lambda: TallPlan(skw, ekw, c["programs_per_sm"]))
+    tp = cached(("t", *sorted(skw.items()), *sorted(ekw.items())), lambda: TallPlan(skw, ekw))
     return tp, scalars
 
 

@@ -4,9 +4,9 @@ column tile, run with dots of GROUP * BLOCK_M rows (BLOCK_M: the work list's til
 With 16-row tiles a prefill module re-reads every adapter's A and B blocks once per 16 rows, and each program
 streams a chain of column tiles with one load in flight: the split path's expand reached 1.1-2.6x a memcpy of
 base_out's bytes on the H200. Here the work list's tiles are taken GROUP at a time (group g: tiles
-[g * GROUP, (g + 1) * GROUP)), and every item (group, column tile) is independent: the grid has up to one
-program per item (the table's programs_per_sm caps it; programs then stride over the items), so each SM keeps as
-many base_out tiles in flight as fit.
+[g * GROUP, (g + 1) * GROUP)), and every item (group, column tile) is one program of a grid sized by the work
+list's capacity (programs past the batch's items exit at once), so each SM keeps as many base_out tiles in
+flight as fit. (A persistent grid striding over the items measured slower: one item in flight per program.)
 
 A group may hold tiles of several segments (a prefill segment's last tile, decode rows of a mixed batch). Its
 tiles are cut into runs: consecutive tiles with the same slot whose rows follow each other. Each run is one dot
@@ -29,41 +29,33 @@ from lora_kernels.backends.triton.kernels import _expand_col, _load_b, _load_v, 
 
 
 @triton.jit
-def _run(work, g0, r: tl.constexpr, n_tiles, MT, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Tile t = g0 + r of a group: (slot, lo, hi, starts). starts: t exists and begins a run (r = 0, or tile t - 1
-    has another slot or does not end where t begins); [lo, hi): the segmented rows of the run that t begins
-    (t's rows and those of the group's next tiles that continue it). The work list holds each tile's first row
-    and its segment's end: a tile ends BLOCK_M rows on, or at that end."""
-    t = g0 + r
+def _group(work, g0, n_tiles, MT, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The group's tiles g0 + [0, GROUP) as vectors, loaded together: (slot, first row, end row, link, count).
+    The work list holds each tile's first row and its segment's end: a tile ends BLOCK_M rows on, or at that end.
+    link[q]: tile q continues tile q - 1's run (same slot, rows that follow on); count: the tiles that exist."""
+    idx = tl.arange(0, GROUP)
+    t = g0 + idx
     valid = t < n_tiles
     slot = tl.load(work + 1 + t, mask=valid, other=-1)
     lo = tl.load(work + 1 + MT + t, mask=valid, other=0)
     hi = tl.minimum(tl.load(work + 1 + 2 * MT + t, mask=valid, other=0), lo + BLOCK_M)
-    starts = valid
-    if r > 0:  # tile t - 1 exists where t does
-        prev_slot = tl.load(work + t, mask=valid, other=-1)
-        prev_lo = tl.load(work + MT + t, mask=valid, other=0)
-        prev_hi = tl.minimum(tl.load(work + 2 * MT + t, mask=valid, other=0), prev_lo + BLOCK_M)
-        starts = valid & ((prev_slot != slot) | (prev_hi != lo))
-    # The next tiles' rows are loaded without waiting on each other (masked by existence only, so the loads issue
-    # together), then chained: tile q continues the run if every tile from t to q does.
-    cont = valid
-    for q in tl.static_range(r + 1, GROUP):
-        tq = g0 + q
-        here = tq < n_tiles
-        sq = tl.load(work + 1 + tq, mask=here, other=-2)
-        lq = tl.load(work + 1 + MT + tq, mask=here, other=-1)
-        eq = tl.minimum(tl.load(work + 1 + 2 * MT + tq, mask=here, other=0), lq + BLOCK_M)
-        cont = cont & here & (sq == slot) & (lq == hi)
-        hi = tl.where(cont, eq, hi)
-    return slot, lo, hi, starts
+    has_prev = valid & (idx > 0)
+    prev_slot = tl.load(work + t, mask=has_prev, other=-2)
+    prev_lo = tl.load(work + MT + t, mask=has_prev, other=0)
+    prev_hi = tl.minimum(tl.load(work + 2 * MT + t, mask=has_prev, other=-1), prev_lo + BLOCK_M)
+    link = has_prev & (slot == prev_slot) & (lo == prev_hi)
+    return slot, lo, hi, link, tl.minimum(n_tiles - g0, GROUP)
 
 
 @triton.jit
-def _items(work, N_COLS, GROUP: tl.constexpr):
-    """The number of tiles and of items (group, column tile) of this batch."""
-    n_tiles = tl.load(work)
-    return n_tiles, tl.cdiv(n_tiles, GROUP) * N_COLS
+def _next_run(r, slot_v, lo_v, hi_v, link_v, GROUP: tl.constexpr):
+    """The run that starts at tile r of the group: (slot, first row, end row, the tile after it)."""
+    idx = tl.arange(0, GROUP)
+    end = tl.min(tl.where((idx > r) & (link_v == 0), idx, GROUP), axis=0)
+    slot = tl.sum(tl.where(idx == r, slot_v, 0), axis=0)
+    lo = tl.sum(tl.where(idx == r, lo_v, 0), axis=0)
+    hi = tl.sum(tl.where(idx == end - 1, hi_v, 0), axis=0)
+    return slot, lo, hi, end
 
 
 @triton.jit(do_not_specialize=["MT"])
@@ -75,40 +67,42 @@ def _tall_shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr, MT, K
     BLOCK_K dot chain, for every run of the group; 0 for columns j >= rank and rows of slot -1 / rank 0."""
     if PDL:
         _gdc.gdc_launch_dependents()
-    n_tiles, items = _items(work, N_COLS, GROUP)
+    it = tl.program_id(0)
+    n_tiles = tl.load(work)
     if PDL:
         _gdc.gdc_wait()
-    for it in range(tl.program_id(0), items, tl.num_programs(0)):
+    if it < tl.cdiv(n_tiles, GROUP) * N_COLS:
         g0 = (it // N_COLS) * GROUP
         cols = (it % N_COLS) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < NR
-        for r in tl.static_range(GROUP):
-            slot, lo, hi, starts = _run(work, g0, r, n_tiles, MT, GROUP, BLOCK_M)
-            if starts:
-                rank, slot64 = _rank(slot, lora_ranks)
-                rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
-                live = col_mask & ((cols % R) < rank)
-                acc = tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if rank > 0:
-                    a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
-                    x_rows = x_ptr + rows[:, None] * K
-                    for s in range(SPLIT):
-                        k_begin = s * k_chunk
-                        k_end = tl.minimum(k_begin + k_chunk, K)
-                        chain = tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=tl.float32)
-                        for k in range(k_begin, k_end, BLOCK_K):
-                            kk = k + tl.arange(0, BLOCK_K)
-                            k_mask = kk < k_end
-                            at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
-                            xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                            chain = tl.dot(xt, tl.trans(at), chain, input_precision=DOT_PREC)
-                        if s == 0:
-                            acc = chain
-                        else:
-                            acc += chain
-                acc = tl.where(live[None, :], acc, 0.0)
-                tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                         mask=row_mask[:, None] & col_mask[None, :])
+        slot_v, lo_v, hi_v, link_v, count = _group(work, g0, n_tiles, MT, GROUP, BLOCK_M)
+        r = 0
+        while r < count:
+            slot, lo, hi, r = _next_run(r, slot_v, lo_v, hi_v, link_v, GROUP)
+            rank, slot64 = _rank(slot, lora_ranks)
+            rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
+            live = col_mask & ((cols % R) < rank)
+            acc = tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if rank > 0:
+                a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
+                x_rows = x_ptr + rows[:, None] * K
+                for s in range(SPLIT):
+                    k_begin = s * k_chunk
+                    k_end = tl.minimum(k_begin + k_chunk, K)
+                    chain = tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for k in range(k_begin, k_end, BLOCK_K):
+                        kk = k + tl.arange(0, BLOCK_K)
+                        k_mask = kk < k_end
+                        at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
+                        xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                        chain = tl.dot(xt, tl.trans(at), chain, input_precision=DOT_PREC)
+                    if s == 0:
+                        acc = chain
+                    else:
+                        acc += chain
+            acc = tl.where(live[None, :], acc, 0.0)
+            tl.store(out_ptr + rows[:, None] * NR + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -133,17 +127,20 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
     base_out's read and write)."""
     if PDL:
         _gdc.gdc_launch_dependents()
-    n_tiles, items = _items(work, N_COLS, GROUP)
+    it = tl.program_id(0)
+    n_tiles = tl.load(work)
     if PDL:
         _gdc.gdc_wait()
-    j = tl.arange(0, BLOCK_R)
-    for it in range(tl.program_id(0), items, tl.num_programs(0)):
+    if it < tl.cdiv(n_tiles, GROUP) * N_COLS:
         g0 = (it // N_COLS) * GROUP
         i, n, n_mask = _col_span(it % N_COLS, off1, off2, off3, t1, t2, t3, OUT, BLOCK_N)
-        for r in tl.static_range(GROUP):
-            slot, lo, hi, starts = _run(work, g0, r, n_tiles, MT, GROUP, BLOCK_M)
+        j = tl.arange(0, BLOCK_R)
+        slot_v, lo_v, hi_v, link_v, count = _group(work, g0, n_tiles, MT, GROUP, BLOCK_M)
+        r = 0
+        while r < count:
+            slot, lo, hi, r = _next_run(r, slot_v, lo_v, hi_v, link_v, GROUP)
             rank, slot64 = _rank(slot, lora_ranks)
-            if starts & (rank > 0):
+            if rank > 0:
                 rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
                 base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :],
                                other=0.0)
