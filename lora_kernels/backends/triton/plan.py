@@ -23,12 +23,14 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # The tall-tile path for long segments (tall.py) until a --tune run measures it into the table: off (min_rows 0).
 # Groups of work-list tiles per dot (shrink_group * 16 rows, expand_group * 16; pools of rank >= wide_rank use the
 # _wide expand entries), column tiles, warps; the shrink's pipeline stages drop until its shared memory fits
-# shrink_smem; one program per item (group, column tile). Measured on the H200
-# (exp A/B, Llama-3-8B modules, 8 x 1024 rows): 64-row shrink tiles with 4 stages, 32-row expand tiles at r16 and
-# 64-row ones with 8 warps at r64. min_rank: the path only for pools of this rank or more.
+# shrink_smem; one program per item (group, column tile); expand_maxnreg (0: Triton's choice) caps the expand's
+# registers per thread (its runs are unrolled GROUP times: 101 registers at r64 against 80 for one run, which costs
+# a third of the resident programs). Measured on the H200 (exp A/B, Llama-3-8B modules, 8 x 1024 rows): 64-row
+# shrink tiles with 4 stages, 32-row expand tiles at r16 and 64-row ones with 8 warps at r64. min_rank: the path
+# only for pools of this rank or more.
 TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4,
                 "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32,
-                "expand_group_wide": 4, "expand_warps_wide": 8, "programs_per_sm": 4096}
+                "expand_group_wide": 4, "expand_warps_wide": 8, "expand_maxnreg": 0, "expand_maxnreg_wide": 0}
 _cache: dict = {}
 _sms: dict = {}
 
@@ -212,6 +214,8 @@ def tall_plan(sp: ShrinkPlan, slice_offsets: tuple, max_rank: int, dtype: torch.
     n_cols, scalars = slice_tiles(slice_offsets, ebn)
     ekw = dict(common, GROUP=c["expand_group" + wide], N_COLS=n_cols, BLOCK_N=ebn, BLOCK_R=max(16, _pow2(max_rank)),
                num_warps=c["expand_warps" + wide], num_stages=1)
+    if c["expand_maxnreg" + wide] and not INTERPRET:
+        ekw["maxnreg"] = c["expand_maxnreg" + wide]
     if s["PDL"]:
         skw["launch_pdl"] = ekw["launch_pdl"] = True
     tp = cached(("t", *sorted(skw.items()), *sorted(ekw.items())), lambda: TallPlan(skw, ekw))

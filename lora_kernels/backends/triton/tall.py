@@ -137,15 +137,16 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
         j = tl.arange(0, BLOCK_R)
         slot_v, lo_v, hi_v, link_v, count = _group(work, g0, n_tiles, MT, GROUP, BLOCK_M)
         r = 0
-        while r < count:
-            slot, lo, hi, r = _next_run(r, slot_v, lo_v, hi_v, link_v, GROUP)
-            rank, slot64 = _rank(slot, lora_ranks)
-            if rank > 0:
-                rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
-                base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :],
-                               other=0.0)
-                j_mask = j < rank
-                vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, 0, NR, 1, False).to(b_ptr.dtype.element_ty)
-                bt = _load_b(b_ptr + slot64 * OUT * R, n, n_mask, j, j_mask, R)
-                _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, tl.load(scalings + slot64), OUT,
-                            DOT_PREC)
+        for q in tl.static_range(GROUP):  # unrolled, not a loop: a loop's hoisted invariants took 126 registers
+            if r < count:
+                slot, lo, hi, r = _next_run(r, slot_v, lo_v, hi_v, link_v, GROUP)
+                rank, slot64 = _rank(slot, lora_ranks)
+                if rank > 0:
+                    rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
+                    base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :],
+                                   other=0.0)
+                    j_mask = j < rank
+                    vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, 0, NR, 1, False).to(b_ptr.dtype.element_ty)
+                    bt = _load_b(b_ptr + slot64 * OUT * R, n, n_mask, j, j_mask, R)
+                    _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, tl.load(scalings + slot64), OUT,
+                                DOT_PREC)
