@@ -6,7 +6,7 @@
 
 TRITON_BLOCKS = {
     "fused": {"max_rows": 0, "ctas_per_sm": 1},
-    "tall": {"min_rows": 1024, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4, "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32, "expand_group_wide": 4, "expand_warps_wide": 8, "programs_per_sm": 4096},
+    "tall": {"min_rows": 1024, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4, "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32, "expand_group_wide": 4, "expand_warps_wide": 4, "expand_maxnreg": 0, "expand_maxnreg_wide": 0},
     "shrink": {"block_n": 256, "block_k": 128, "block_k_wide": 64, "k_chunk_min": 512, "max_split": 8, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 8},
     "reduce": {"block_n": 64, "num_warps": 4, "min_rows": 1024},
     "expand": {"block_n": 128, "tile_elems": 8192, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 8},
