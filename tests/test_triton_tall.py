@@ -84,7 +84,8 @@ def test_recipes_follow_the_tall_entry(monkeypatch):
     variants, --tune) takes effect without a cache clear; the path is chosen by rows and the pool's rank."""
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1}})
     a = plan.apply_path(64, 16)
-    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "expand_group": 4}})
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE,
+                                        "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "expand_group": 4}})
     b = plan.apply_path(64, 16)
     assert a[0] == b[0] == "tall" and a != b
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "min_rank": 32}})

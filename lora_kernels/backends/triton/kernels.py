@@ -238,8 +238,8 @@ def _expand_tile(v_ptr, sync_ptr, t, need, b_ptr, out_ptr, rows, row_mask, slot6
     per program, by hand: the table's num_stages 1 keeps Triton from staging them through shared memory). (A
     peeled first tile that loaded B before v measured 20% slower at decode on the H200: more registers.) WAIT (the
     fused kernel): v's partials are written by other programs of this launch; wait until sync_ptr[t] counts
-    `need` arrivals and read v past L1. Every expand computes with this code (the tall one too, with its taller
-    rows). The caller has passed gdc_wait."""
+    `need` arrivals and read v past L1. Every expand computes a column tile with `_load_v`, `_load_b` and
+    `_expand_col` (the tall one too, on its taller rows). The caller has passed gdc_wait."""
     j = tl.arange(0, BLOCK_R)
     j_mask = j < rank
     b_slot = b_ptr + slot64 * OUT * R

@@ -26,8 +26,8 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # shrink_smem; one program per item (group, column tile); expand_maxnreg (0: Triton's choice) caps the expand's
 # registers per thread (its runs are unrolled GROUP times: 101 registers at r64 against 80 for one run, which costs
 # a third of the resident programs). Measured on the H200 (exp A/B, Llama-3-8B modules, 8 x 1024 rows): 64-row
-# shrink tiles with 4 stages, 32-row expand tiles at r16 and 64-row ones with 8 warps at r64. min_rank: the path
-# only for pools of this rank or more.
+# shrink tiles with 4 stages, 32-row expand tiles at r16 and 64-row ones at r64 (tables.py: the tune's warps).
+# min_rank: the path only for pools of this rank or more.
 TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4,
                 "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32,
                 "expand_group_wide": 4, "expand_warps_wide": 8, "expand_maxnreg": 0, "expand_maxnreg_wide": 0}
