@@ -30,6 +30,15 @@ MODULES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (
 
 
 @triton.jit
+def _slot_rank(tslot, lora_ranks, pid_m):
+    """Row tile pid_m's slot (clamped to 0 for slot -1) and rank (0 for slot -1)."""
+    slot = tl.load(tslot + pid_m)
+    active = slot >= 0
+    s = tl.where(active, slot, 0)
+    return s, tl.where(active, tl.load(lora_ranks + s), 0)
+
+
+@triton.jit
 def _stream_expand(v_ptr, b_ptr, out_ptr, tslot, trow0, tend, lora_ranks, scalings, R, NR, OUT, off1, off2, off3,
                    N_COL, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BASE_FIRST: tl.constexpr,
                    GROUP_COLS: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -41,10 +50,7 @@ def _stream_expand(v_ptr, b_ptr, out_ptr, tslot, trow0, tend, lora_ranks, scalin
         n_rt = tl.num_programs(0) // N_COL
         pid_n = pid // n_rt
         pid_m = pid % n_rt
-    slot = tl.load(tslot + pid_m)
-    active = slot >= 0
-    s = tl.where(active, slot, 0)
-    rank = tl.where(active, tl.load(lora_ranks + s), 0)
+    s, rank = _slot_rank(tslot, lora_ranks, pid_m)
     if rank > 0:
         row0 = tl.load(trow0 + pid_m)
         end = tl.load(tend + pid_m)
@@ -78,10 +84,7 @@ def _stream_shrink(x_ptr, a_ptr, v_ptr, tslot, trow0, tend, lora_ranks, K, R, NR
     pid = tl.program_id(0)
     pid_m = pid // N_COL
     pid_n = pid % N_COL
-    slot = tl.load(tslot + pid_m)
-    active = slot >= 0
-    s = tl.where(active, slot, 0)
-    rank = tl.where(active, tl.load(lora_ranks + s), 0)
+    s, rank = _slot_rank(tslot, lora_ranks, pid_m)
     row0 = tl.load(trow0 + pid_m)
     end = tl.load(tend + pid_m)
     rows = row0 + tl.arange(0, BM)
@@ -177,8 +180,7 @@ def main():
             cands["pkg expand split"] = lambda: tb.BACKEND.sgmv_expand(v_ref, b, info, offsets, out)
             # package tall expand (the apply path's expand at prefill)
             sp = tplan.shrink_plan(K, S, R, dt, False, out.device)
-            tall_s, tall_e = tb._tall_steps(sp, x.shape, NR, R, offsets, dt, torch.float32, info.max_tiles,
-                                            out.device)
+            tall_s, tall_e = tb._tall_steps(sp, x.shape, NR, R, offsets, dt, torch.float32, info.max_tiles)
             w, rk, sc = info.work, info.lora_ranks, info.scalings
             cands["pkg expand tall"] = lambda: tall_e(v_ref, b, out, w, rk, sc, w)
             vt_buf = torch.empty_like(v_ref)

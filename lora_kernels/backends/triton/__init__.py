@@ -79,12 +79,13 @@ def _fused_step(sp, x_shape, NR, R, slice_offsets, dtype, has_perm, max_tiles, d
                  fp.kw)
 
 
-def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, max_tiles, device) -> tuple:
-    """The tall-tile shrink (into v of v_dtype) and expand (adds to out) launches."""
+def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, max_tiles) -> tuple:
+    """The tall-tile shrink (into v of v_dtype) and expand (adds to out) launches: one program per item (group,
+    column tile) of the work list's capacity."""
     tp, scalars = _plan.tall_plan(sp, slice_offsets, R, dtype)
     s, e = tp.shrink_kw, tp.expand_kw
-    s_grid = (max(1, -(-max_tiles // s["GROUP"]) * s["N_COLS"]),)  # one program per item of the capacity
-    e_grid = (max(1, -(-max_tiles // e["GROUP"]) * e["N_COLS"]),)
+    s_grid = (max(1, _plan._cdiv(max_tiles, s["GROUP"]) * s["N_COLS"]),)
+    e_grid = (max(1, _plan._cdiv(max_tiles, e["GROUP"]) * e["N_COLS"]),)
     shrink = _Step(_tall_shrink_kernel, tp.runs, ("tall-s", v_dtype), s_grid,
                    (max_tiles, x_shape[1], R, NR, sp.k_chunk), s)
     expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype), e_grid,
@@ -122,7 +123,7 @@ def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recip
     if path[0] == "fused":
         return _Recipe("fused", (_fused_step(sp, x.shape, NR, R, slice_offsets, x.dtype, has_perm, mt, dev),), ws, None)
     if path[0] == "tall":
-        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, mt, dev), None,
+        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, mt), None,
                        (rows, NR))
     shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
     # The partials are reduced into v first from reduce_first rows on (no column tile re-reads them); otherwise the
