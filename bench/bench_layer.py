@@ -20,6 +20,8 @@ the machine lands on all alike); median and range over the rounds:
     fused       lk.lora_linear(mode="fused"): shrink, then a Triton GEMM with the expand in its epilogue
                 (persistent, TMA loads on sm90+)
     fused_ptr   the same with the pointer-load (non-persistent) Triton GEMM
+    first       lk.lora_linear(mode="first"): the delta written into out first, then addmm adds the base
+                (at decode it runs overlap)
     X+carve     (--carveout N) base, overlap or delta with N SMs kept from cuBLAS: does a GEMM that leaves SMs
                 free let the side stream's LoRA run beside it? (diagnostic; never a table mode)
 
@@ -58,8 +60,9 @@ DTYPE = torch.bfloat16
 # Issue 16 acceptance on an H200: the most lora_linear may add over the base, % (rank -> case -> %).
 TARGETS = {16: {"decode1": 8, "decode16": 12, "decode64": 25, "decode256": 25, "prefill8": 5},
            64: {"decode1": 10, "decode16": 35, "decode64": 65, "decode256": 65, "prefill8": 8}}
-MODE_OF = {"apply": "serial", "overlap": "overlap", "delta": "delta", "fused": "fused", "fused_ptr": "fused"}
-ALL_VARIANTS = ("base", "apply", "overlap", "delta", "fused", "fused_ptr")
+MODE_OF = {"apply": "serial", "overlap": "overlap", "delta": "delta", "fused": "fused", "fused_ptr": "fused",
+           "first": "first"}
+ALL_VARIANTS = ("base", "apply", "overlap", "delta", "fused", "fused_ptr", "first")
 CARVE_VARIANTS = ("base+carve", "overlap+carve", "delta+carve")  # with --carveout N: diagnostics, not modes
 CARVEOUT = 0
 

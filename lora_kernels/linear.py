@@ -21,6 +21,14 @@ Modes (``mode=``, default "auto"):
 * ``fused``    the shrink, then one Triton GEMM whose epilogue adds the expand (`fused_gemm.py`): out is
                written once, never re-read. `lora_linear` only, for batches without a permutation on CUDA
                (or under TRITON_INTERPRET=1); otherwise, and for `lora_linear_with`, it runs ``overlap``.
+* ``first``    the LoRA delta first, written into out (the Triton tall-tile path with its expand storing, not
+               adding: out is written once and never read), then the base GEMM accumulates onto it
+               (``addmm`` with beta 1: cuBLAS reads out in its epilogue, which a compute-bound GEMM hides).
+               At prefill this halves the LoRA's traffic on out against ``serial``, whose expand reads and
+               writes the base's output. Rounds the delta to y's dtype before the add, like ``delta``.
+               `lora_linear` only, without bias, where info covers every row of x and the tall path runs
+               (enough rows, Triton); otherwise it runs ``overlap``. On the CPU: out zeroed, `apply_lora`,
+               then the ``addmm`` (the same composition).
 * ``auto``     the mode measured fastest for the batch's regime on this machine (`_linear_table.py`,
                written by ``bench/bench_layer.py --write-table``); on the CPU, ``serial``.
 
@@ -56,11 +64,12 @@ import torch
 
 from lora_kernels._linear_table import TABLE
 from lora_kernels.batch_info import LoRABatchInfo
-from lora_kernels.ops import _check_expand, _check_shrink, _check_tensor, apply_lora, sgmv_expand, sgmv_shrink
+from lora_kernels.ops import (_check_expand, _check_shrink, _check_tensor, apply_lora, resolve_backend, sgmv_expand,
+                              sgmv_shrink)
 
 __all__ = ["MODES", "lora_linear", "lora_linear_with", "pick_mode"]
 
-MODES = ("auto", "serial", "overlap", "delta", "fused")
+MODES = ("auto", "serial", "overlap", "delta", "fused", "first")
 
 
 class _Side:
@@ -182,6 +191,11 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
             sgmv_shrink(x, lora_a, info, len(slice_offsets) - 1, out=v, backend=backend)
             return fused.gemm_lora(x, weight, bias, v, lora_b, info, slice_offsets, out)
         mode = "overlap"
+    if mode == "first":
+        if bias is None and info.num_tokens == x.shape[0] and _delta_first(x, out, lora_a, lora_b, info,
+                                                                          slice_offsets, backend):
+            return torch.addmm(out, x, weight.t(), out=out)
+        mode = "overlap"
     if bias is None:
         def base():
             return torch.mm(x, weight.t(), out=out)
@@ -214,6 +228,19 @@ def _resolve_mode(mode, x, lora_b) -> str:
     return pick_mode(x.shape[0], lora_b.shape[2], x.device) if mode == "auto" else mode
 
 
+def _delta_first(x, out, lora_a, lora_b, info, slice_offsets, backend) -> bool:
+    """Writes the LoRA delta of every row into out ("first" mode); False where that path does not run here."""
+    if resolve_backend(backend, x.device, info) == "triton":
+        from lora_kernels.backends.triton import BACKEND
+
+        return BACKEND.lora_delta(x, out, lora_a, lora_b, info, slice_offsets)
+    if x.device.type == "cuda":
+        return False
+    out.zero_()
+    apply_lora(x, out, lora_a, lora_b, info, slice_offsets, backend=backend)
+    return True
+
+
 def _fused_gemm():
     """The fused GEMM module, or None where Triton cannot be imported."""
     try:
@@ -226,7 +253,7 @@ def _fused_gemm():
 def _run(base, x, lora_a, lora_b, info, slice_offsets, backend, mode, checked_out):
     """Runs base() and adds the LoRA delta in the chosen mode; y is validated before any LoRA write."""
     mode = _resolve_mode(mode, x, lora_b)
-    if mode == "fused":  # lora_linear took it where it can run; what reaches here runs overlapped
+    if mode in ("fused", "first"):  # lora_linear took it where it can run; what reaches here runs overlapped
         mode = "overlap"
     if mode == "serial":
         y = base()

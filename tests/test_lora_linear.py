@@ -14,7 +14,7 @@ import lora_kernels as lk
 from cases import TOL, compile_for_sm90, make_case, make_info, rel_err, rowloop_expand, rowloop_shrink
 from lora_kernels import linear
 
-MODES = ["serial", "overlap", "delta", "fused", "auto"]
+MODES = ["serial", "overlap", "delta", "fused", "first", "auto"]
 
 
 def _layer(case, rng, bias: bool):
@@ -392,3 +392,55 @@ def test_fused_gemm_compiles_for_sm90():
     for k in kernels:
         assert k["wgmma"] and 0 < k["shared"] <= 227 * 1024
         assert k["tma_ops"] == k["tma"]
+
+
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("group", [1, 4])
+def test_first_mode_writes_the_delta_then_adds_the_base(monkeypatch, permute, group):
+    """mode "first" on the Triton tall path: the expand stores the delta into out without reading it (out starts
+    as NaN, so a read would show), rows of slot -1 and of a rank-0 slot get 0, then addmm adds x Wᵀ. fp32 under
+    the interpreter, bf16 on a GPU; against float64 and against F.linear + apply_lora."""
+    from lora_kernels import backends
+    from lora_kernels.backends.triton import plan
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if backends.unavailable("triton", dev) is not None:
+        pytest.skip("Triton backend unavailable")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.tall_config(), "min_rows": 1, "min_rank": 0,
+                                                               "shrink_group": group, "expand_group": group,
+                                                               "expand_group_wide": group}})
+    plan.clear_cache()
+    rng = np.random.default_rng([41, permute, group])
+    case = make_case(rng, num_slots=5, max_rank=16, ranks=[16, 0, 5, 16, 9], slice_widths=(32, 16, 16), in_dim=48,
+                     seg_lens=(20, 13, 1, 0, 17, 9), slots=[0, 1, -1, 2, 3, 4], dtype=dtype, device=dev,
+                     permute=permute)
+    w, _ = _layer(case, rng, False)
+    out = torch.full((case.x.shape[0], case.slice_offsets[-1]), float("nan"), dtype=dtype, device=dev)
+    got = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, out=out,
+                         backend="triton", mode="first")
+    assert got is out and torch.isfinite(got).all()
+    assert rel_err(got.cpu(), _reference(case, w.cpu(), None)) <= TOL[dtype]
+    plain = lk.apply_lora(case.x, F.linear(case.x, w), case.lora_a, case.lora_b, case.info, case.slice_offsets,
+                          backend="triton")
+    assert rel_err(got, plain) <= TOL[dtype]
+    base = F.linear(case.x, w)
+    no_lora = [p for p, s in zip(case.perm, [s for s, n in zip(case.slots, case.seg_lens) for _ in range(n)])
+               if s in (-1, 1)]
+    assert no_lora and torch.equal(got[no_lora], torch.addmm(torch.zeros_like(base[no_lora]), case.x[no_lora], w.t()))
+    recipes = [k for k in plan._cache if k[0] == "delta"]
+    assert len(recipes) == 1, "the first mode did not take the tall path"
+    plan.clear_cache()
+
+
+def test_first_mode_falls_back_where_it_cannot_run():
+    """With a bias, or rows past every segment, "first" runs overlapped (same result as serial)."""
+    rng = np.random.default_rng(43)
+    for extra, bias in ((3, False), (0, True)):
+        case = make_case(rng, seg_lens=(4, 6), slice_widths=(24,), in_dim=16, extra_rows=extra)
+        w, b = _layer(case, rng, bias)
+        got = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, bias=b,
+                             backend="torch", mode="first")
+        want = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, bias=b,
+                              backend="torch", mode="serial")
+        assert torch.equal(got, want)

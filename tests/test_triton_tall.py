@@ -135,7 +135,9 @@ for S, R, sp, offs, ep in llama_plans(True, expand_split=1):
     for fn, kw, ptrs, ints in (
             (tall._tall_shrink_kernel, tp.shrink_kw, ("x_ptr:bf16", "a_ptr:bf16", "out_ptr:fp32"),
              ("MT", "K", "R", "NR", "k_chunk")),
-            (tall._tall_expand_kernel, tp.expand_kw, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
+            (tall._tall_expand_kernel, {**tp.expand_kw, "ASSIGN": False}, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
+             ("MT", "R", "NR", "OUT", "off1", "off2", "off3", "t1", "t2", "t3")),
+            (tall._tall_expand_kernel, {**tp.expand_kw, "ASSIGN": True}, ("v_ptr:fp32", "b_ptr:bf16", "out_ptr:bf16"),
              ("MT", "R", "NR", "OUT", "off1", "off2", "off3", "t1", "t2", "t3"))):
         k = compile90(fn, {**kw, "PDL": True}, ptrs, ints, scalings=fn is tall._tall_expand_kernel)
         ptx = k.asm["ptx"]
@@ -151,7 +153,7 @@ def test_tall_kernels_compile_for_sm90():
     scripts/triton_dot_bits.py; the GPU tests assert them)."""
     pytest.importorskip("triton.backends.nvidia")
     ks = compile_for_sm90(_AOT)
-    assert len(ks) == 6
+    assert len(ks) == 9
     for k in ks:
         assert k["wgmma"] or k["mma_sync"], k
         assert 0 < k["shared"] <= 227 * 1024, k

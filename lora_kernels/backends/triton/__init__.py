@@ -79,16 +79,16 @@ def _fused_step(sp, x_shape, NR, R, slice_offsets, dtype, has_perm, max_tiles, d
                  fp.kw)
 
 
-def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, max_tiles) -> tuple:
-    """The tall-tile shrink (into v of v_dtype) and expand (adds to out) launches: one program per item (group,
-    column tile) of the work list's capacity."""
+def _tall_steps(sp, x_shape, NR, R, slice_offsets, dtype, v_dtype, max_tiles, assign=False) -> tuple:
+    """The tall-tile shrink (into v of v_dtype) and expand (adds to out; assign: writes the delta) launches: one
+    program per item (group, column tile) of the work list's capacity."""
     tp, scalars = _plan.tall_plan(sp, slice_offsets, R, dtype)
-    s, e = tp.shrink_kw, tp.expand_kw
+    s, e = tp.shrink_kw, {**tp.expand_kw, "ASSIGN": assign}
     s_grid = (max(1, _plan._cdiv(max_tiles, s["GROUP"]) * s["N_COLS"]),)
     e_grid = (max(1, _plan._cdiv(max_tiles, e["GROUP"]) * e["N_COLS"]),)
     shrink = _Step(_tall_shrink_kernel, tp.runs, ("tall-s", v_dtype), s_grid,
                    (max_tiles, x_shape[1], R, NR, sp.k_chunk), s)
-    expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype), e_grid,
+    expand = _Step(_tall_expand_kernel, tp.runs, ("tall-e", dtype, assign), e_grid,
                    (max_tiles, R, NR, slice_offsets[-1], *scalars), e)
     return shrink, expand
 
@@ -167,6 +167,26 @@ class TritonBackend:
             out.shape[0], lora_b.shape[2], slice_offsets, v.dtype, out.dtype, perm is not work, 1, info.max_tiles,
             out.device),), None, None))
         r.steps[0](v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
+
+    def lora_delta(self, x, out, lora_a, lora_b, info, slice_offsets) -> bool:
+        """out = the LoRA delta of every row (0 for rows of slot -1 / rank 0), out never read: the tall-tile path
+        with its expand storing instead of adding (`lora_linear`'s "first" mode). Rows the work list does not
+        cover are not written: the caller checks that info covers x. Returns False, having done nothing, where
+        the tall path does not run (fewer rows than the table's tall entry)."""
+        path = _plan.apply_path(x.shape[0], lora_b.shape[2])
+        if path[0] != "tall":
+            return False
+        work, perm = _work(info)
+        key = ("delta", x.shape, x.dtype, lora_a.shape, lora_b.shape[2], slice_offsets, x.device, info.max_tiles,
+               perm is not work, path)
+        r = _plan.cached(key, lambda: _Recipe("tall", _tall_steps(
+            _plan.shrink_plan(x.shape[1], len(slice_offsets) - 1, lora_b.shape[2], x.dtype, perm is not work,
+                              x.device), x.shape, lora_a.shape[1], lora_b.shape[2], slice_offsets, x.dtype,
+            torch.float32, info.max_tiles, assign=True), None, (x.shape[0], lora_a.shape[1])))
+        v = torch.empty(r.v, dtype=torch.float32, device=x.device)
+        r.steps[0](x, lora_a, v, work, info.lora_ranks, perm)
+        r.steps[1](v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
+        return True
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
         work, perm = _work(info)

@@ -121,10 +121,12 @@ def _col_span(c, off1, off2, off3, t1, t2, t3, OUT, BLOCK_N: tl.constexpr):
 def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr,
                         MT, R, NR, OUT, off1, off2, off3, t1, t2, t3,
                         HAS_PERM: tl.constexpr, GROUP: tl.constexpr, N_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                        ASSIGN: tl.constexpr):
     """Item (group, column tile): out[row, n] += scaling * v[row, i*R:(i+1)*R] B[slot, n, :]ᵀ for every run of the
     group with rank > 0 (v reduced, fp32); base_out's tile is loaded before v and B (the kernel is bound by
-    base_out's read and write)."""
+    base_out's read and write). ASSIGN: out[row, n] = that delta instead (0 for rows of slot -1 / rank 0), with
+    no read of out: `lora_linear`'s "first" mode, whose base GEMM then adds onto it."""
     if PDL:
         _gdc.gdc_launch_dependents()
     it = tl.program_id(0)
@@ -143,10 +145,18 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
                 rank, slot64 = _rank(slot, lora_ranks)
                 if rank > 0:
                     rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
-                    base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :], mask=row_mask[:, None] & n_mask[None, :],
-                                   other=0.0)
+                    if ASSIGN:  # 0 + scaling * acc: the delta alone, as the base's own rounding will add it
+                        base = tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+                    else:
+                        base = tl.load(out_ptr + rows[:, None] * OUT + n[None, :],
+                                       mask=row_mask[:, None] & n_mask[None, :], other=0.0)
                     j_mask = j < rank
                     vt = _load_v(v_ptr, rows, row_mask, i, R, j, j_mask, 0, NR, 1, False).to(b_ptr.dtype.element_ty)
                     bt = _load_b(b_ptr + slot64 * OUT * R, n, n_mask, j, j_mask, R)
                     _expand_col(vt, bt, base, out_ptr, rows, row_mask, n, n_mask, tl.load(scalings + slot64), OUT,
                                 DOT_PREC)
+                elif ASSIGN:
+                    rows, row_mask = _rows(perm_ptr, lo, hi, GROUP * BLOCK_M, HAS_PERM)
+                    tl.store(out_ptr + rows[:, None] * OUT + n[None, :],
+                             tl.zeros((GROUP * BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                             mask=row_mask[:, None] & n_mask[None, :])
