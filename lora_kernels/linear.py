@@ -27,8 +27,10 @@ Modes (``mode=``, default "auto"):
                At prefill this halves the LoRA's traffic on out against ``serial``, whose expand reads and
                writes the base's output. Rounds the delta to y's dtype before the add, like ``delta``.
                `lora_linear` only, without bias, where info covers every row of x and the tall path runs
-               (enough rows, Triton); otherwise it runs ``overlap``. On the CPU: out zeroed, `apply_lora`,
-               then the ``addmm`` (the same composition).
+               (enough rows, Triton); otherwise it runs ``serial`` (the better of the others at prefill). On
+               the CPU: out zeroed, `apply_lora`, then the ``addmm`` (the same composition). Rows without
+               LoRA get ``addmm`` onto zeros, which cuBLAS may compute with another kernel than a plain mm:
+               equal to the base up to rounding, not always bit for bit.
 * ``auto``     the mode measured fastest for the batch's regime on this machine (`_linear_table.py`,
                written by ``bench/bench_layer.py --write-table``); on the CPU, ``serial``.
 
@@ -195,7 +197,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
         if bias is None and info.num_tokens == x.shape[0] and _delta_first(x, out, lora_a, lora_b, info,
                                                                           slice_offsets, backend):
             return torch.addmm(out, x, weight.t(), out=out)
-        mode = "overlap"
+        mode = "serial"
     if bias is None:
         def base():
             return torch.mm(x, weight.t(), out=out)
@@ -253,8 +255,10 @@ def _fused_gemm():
 def _run(base, x, lora_a, lora_b, info, slice_offsets, backend, mode, checked_out):
     """Runs base() and adds the LoRA delta in the chosen mode; y is validated before any LoRA write."""
     mode = _resolve_mode(mode, x, lora_b)
-    if mode in ("fused", "first"):  # lora_linear took it where it can run; what reaches here runs overlapped
+    if mode == "fused":  # lora_linear took it where it can run; what reaches here runs overlapped
         mode = "overlap"
+    elif mode == "first":  # likewise (and lora_linear_with's base returns a fresh tensor: nothing to add onto)
+        mode = "serial"
     if mode == "serial":
         y = base()
         if not checked_out:

@@ -434,7 +434,7 @@ def test_first_mode_writes_the_delta_then_adds_the_base(monkeypatch, permute, gr
 
 
 def test_first_mode_falls_back_where_it_cannot_run():
-    """With a bias, or rows past every segment, "first" runs overlapped (same result as serial)."""
+    """With a bias, or rows past every segment, "first" runs serial."""
     rng = np.random.default_rng(43)
     for extra, bias in ((3, False), (0, True)):
         case = make_case(rng, seg_lens=(4, 6), slice_widths=(24,), in_dim=16, extra_rows=extra)
