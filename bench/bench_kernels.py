@@ -339,6 +339,8 @@ def tune_candidates(keys: str = "") -> list[dict]:
              ("tall", {"min_rows": 256}), ("tall", {"shrink_stages": 3}),
              ("tall", {"shrink_smem": 131072}), ("tall", {"expand_group": 4}), ("tall", {"expand_warps_wide": 4}),
              ("tall", {"expand_maxnreg_wide": 84}), ("tall", {"expand_maxnreg_wide": 96}), ("tall", {"expand_maxnreg": 64}),
+             ("tall", {"shrink_warps": 8}), ("tall", {"shrink_n": 32}), ("tall", {"shrink_group": 2}),
+             ("tall", {"expand_warps_wide": 8}), ("tall", {"expand_n": 256}),  # the shrink holds ~210 registers
              # The tall path's tiles come from an A/B of standalone kernels (session 6, H200, 8 x 1024 rows): 64-row
              # shrink tiles, 4 stages; expand 32 x 128 at r16, 64 x 128 with 8 warps at r64.
              ("shrink", {"ctas_per_sm": 2}), ("shrink", {"ctas_per_sm": 8}), ("shrink", {"k_chunk_min": 256}),

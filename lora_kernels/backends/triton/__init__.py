@@ -123,7 +123,8 @@ def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recip
     if path[0] == "fused":
         return _Recipe("fused", (_fused_step(sp, x.shape, NR, R, slice_offsets, x.dtype, has_perm, mt, dev),), ws, None)
     if path[0] == "tall":
-        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, torch.float32, mt), None,
+        # v in the adapters' dtype: the expand casts v to it before its dot anyway, so the same bits, half the bytes.
+        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, x.dtype, mt), None,
                        (rows, NR))
     shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
     # The partials are reduced into v first from reduce_first rows on (no column tile re-reads them); otherwise the
@@ -182,8 +183,8 @@ class TritonBackend:
         r = _plan.cached(key, lambda: _Recipe("tall", _tall_steps(
             _plan.shrink_plan(x.shape[1], len(slice_offsets) - 1, lora_b.shape[2], x.dtype, perm is not work,
                               x.device), x.shape, lora_a.shape[1], lora_b.shape[2], slice_offsets, x.dtype,
-            torch.float32, info.max_tiles, assign=True), None, (x.shape[0], lora_a.shape[1])))
-        v = torch.empty(r.v, dtype=torch.float32, device=x.device)
+            x.dtype, info.max_tiles, assign=True), None, (x.shape[0], lora_a.shape[1])))
+        v = torch.empty(r.v, dtype=x.dtype, device=x.device)
         r.steps[0](x, lora_a, v, work, info.lora_ranks, perm)
         r.steps[1](v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
         return True
@@ -196,7 +197,7 @@ class TritonBackend:
         r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path))
         ranks = info.lora_ranks
         if r.mode == "tall":
-            v = torch.empty(r.v, dtype=torch.float32, device=x.device)
+            v = torch.empty(r.v, dtype=x.dtype, device=x.device)
             r.steps[0](x, lora_a, v, work, ranks, perm)
             r.steps[1](v, lora_b, base_out, work, ranks, info.scalings, perm)
             return

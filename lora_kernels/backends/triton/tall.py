@@ -13,8 +13,9 @@ tiles are cut into runs: consecutive tiles with the same slot whose rows follow 
 of GROUP * BLOCK_M rows, masked to the run's rows, so a row is only ever computed with its own adapter.
 
 Bits: the shrink runs the SPLIT K chunks of the split-K path (same BLOCK_K chains), and adds them in split
-order in registers, as `_sum_splits` adds the partials; the expand casts the same fp32 v to the adapter's dtype
-and runs one dot over BLOCK_R, as `_expand_col` does. The per-row result of a `tl.dot` does not depend on the
+order in registers, as `_sum_splits` adds the partials, and stores v cast to the adapter's dtype (the cast the split
+path's expand makes before its dot: the same bits, half the bytes of fp32 v); the expand runs one dot over
+BLOCK_R, as `_expand_col` does. The per-row result of a `tl.dot` does not depend on the
 tile height on sm90 (wgmma for 64-row tiles, mma.sync for 16 and 32: scripts/triton_dot_bits.py, and the GPU
 tests assert the bits against the split path), so `apply_lora` may pick this path by the number of rows without
 breaking batch invariance. The interpreter's numpy dots do depend on the height: there, only GROUP = 1 gives the
@@ -124,7 +125,7 @@ def _tall_expand_kernel(v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_
                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
                         ASSIGN: tl.constexpr):
     """Item (group, column tile): out[row, n] += scaling * v[row, i*R:(i+1)*R] B[slot, n, :]ᵀ for every run of the
-    group with rank > 0 (v reduced, fp32); base_out's tile is loaded before v and B (the kernel is bound by
+    group with rank > 0 (v reduced, in the adapter's dtype); base_out's tile is loaded before v and B (the kernel is bound by
     base_out's read and write). ASSIGN: out[row, n] = that delta instead (0 for rows of slot -1 / rank 0), with
     no read of out: `lora_linear`'s "first" mode, whose base GEMM then adds onto it."""
     if PDL:
