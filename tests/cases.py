@@ -194,12 +194,13 @@ def llama_plans(has_perm, expand_split=None, modules=LLAMA_MODULES):
 
 def compile90(fn, kw, ptrs, ints, scalings=False, div16=()):
     """triton.compile of fn for sm90: pointers `ptrs` ("name:type"), work, lora_ranks, (scalings), perm_ptr, the
-    i32 `ints`, then kw's constexprs (num_warps / num_stages as options; launch_pdl dropped). div16: the ints that
+    i32 `ints`, then kw's constexprs (num_warps / num_stages / maxnreg as options; launch_pdl dropped). div16: the ints that
     the runtime would specialize as multiples of 16 (with them, and every pointer 16-byte aligned, the code is what
     a GPU launch at the Llama shapes runs; without, Triton must assume scalar accesses)."""
     kw = dict(kw)
     nw, ns = kw.pop("num_warps"), kw.pop("num_stages")
     kw.pop("launch_pdl", None)
+    extra = {"maxnreg": kw.pop("maxnreg")} if "maxnreg" in kw else {}
     sig = {name: "*" + t for name, t in (q.split(":") for q in ptrs)}
     sig.update({"work": "*i32", "lora_ranks": "*i32"})
     if scalings:
@@ -211,7 +212,7 @@ def compile90(fn, kw, ptrs, ints, scalings=False, div16=()):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if div16 and (sig[n].startswith("*") or n in div16)}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kw, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "num_stages": ns})
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "num_stages": ns, **extra})
 '''
 
 

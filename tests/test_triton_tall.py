@@ -90,6 +90,7 @@ def test_recipes_follow_the_tall_entry(monkeypatch):
     assert a[0] == b[0] == "tall" and a != b
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "min_rank": 32}})
     assert plan.apply_path(64, 16) == ("split",) and plan.apply_path(64, 32)[0] == "tall"  # by the pool's rank
+    assert plan.apply_path(64, 64)[0] == "tall" and plan.apply_path(64, 65) == ("split",)  # up to max_rank (64)
 
 
 def test_tall_config_ignores_keys_it_does_not_know(monkeypatch):

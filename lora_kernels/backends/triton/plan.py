@@ -30,7 +30,11 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 # min_rank: the path only for pools of this rank or more.
 TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4,
                 "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32,
-                "expand_group_wide": 4, "expand_warps_wide": 8, "expand_maxnreg": 0, "expand_maxnreg_wide": 0}
+                "expand_group_wide": 4, "expand_warps_wide": 8, "expand_maxnreg": 0, "expand_maxnreg_wide": 0,
+                "max_rank": 64}
+# max_rank: pools of a higher rank take the split path. The tall expand holds a whole BLOCK_R-wide v and B block per
+# run: at rank 256 in fp32 it spilled 44 KB of stack per thread and took Triton + ptxas ~190 s to compile (sm90),
+# which stalled the GPU test grid; at rank 64 it compiles in seconds.
 _cache: dict = {}
 _sms: dict = {}
 
@@ -254,7 +258,7 @@ def apply_path(rows: int, rank: int) -> tuple:
 def _choose_path(rows: int, rank: int) -> tuple:
     if rows <= fused_rows():
         return ("fused", *sorted({**FUSED_DEFAULT, **TABLE.get("fused", {})}.items()))
-    if rows >= tall_rows() > 0 and rank >= tall_config()["min_rank"]:
+    if rows >= tall_rows() > 0 and tall_config()["min_rank"] <= rank <= tall_config()["max_rank"]:
         return ("tall", *sorted(tall_config().items()))
     return ("split",)
 
