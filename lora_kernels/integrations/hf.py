@@ -17,9 +17,7 @@ Each row of the batch names its adapter (`"__base__"`: none, as in PEFT). What i
   and the state_dict's values are unchanged; `remove()` restores them). Inside a call, the first member of a
   group called with an input x (q_proj, gate_proj) runs the group's base GEMM on x once, and adds the LoRA
   delta of every row with one `apply_lora`; the other members (k_proj, v_proj, up_proj), called with the same
-  x, return their column slice of that output (at a GPU prefill, `lora_linear`'s "first" mode instead: the
-  LoRA delta is written first and the GEMM adds onto it, which saves a read and a write of the output). One
-  GEMM per group, not one per member: the weights of q/k/v
+  x, return their column slice of that output. One GEMM per group, not one per member: the weights of q/k/v
   (and of gate/up) are moved into one stacked tensor at enable time, each Linear's weight becoming a view of
   its rows (no extra memory; an eager decode step is host-bound, and this saves 3 of the 7 GEMM launches per
   layer). While enabled, those weights share storage, which `save_pretrained` (safetensors) refuses: call
@@ -52,7 +50,6 @@ from lora_kernels.backends.cuda import HAS_CUDA_EXT
 from lora_kernels.batch_info import BatchInfoBuilder
 from lora_kernels.integrations._hf_adapters import (MEMBERS, base_linear, check_peft_config, collect_modules,
                                                     folder_rank, weights_from_modules)
-from lora_kernels.linear import lora_linear
 from lora_kernels.ops import apply_lora
 
 BASE = "__base__"
@@ -136,16 +133,6 @@ def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
     if g.x is x:
         return g.out
     info = rt.info_for(x)
-    if info is not None and x.is_cuda and x.shape[1] > 1:
-        # Prefill on the GPU: lora_linear's "first" mode writes the delta, then the GEMM adds onto it (out written
-        # by the LoRA and read by cuBLAS's epilogue, not read and written again after the GEMM); below the tall
-        # path's row count, or with a bias, it runs the GEMM and apply_lora as the lines below do.
-        x2 = x.reshape(-1, x.shape[-1])
-        out = lora_linear(x2 if x2.is_contiguous() else x2.contiguous(), g.weight, g.lora_a, g.lora_b, info,
-                          g.offsets, bias=g.bias, backend=rt.backend, mode="first").view(*x.shape[:-1], -1)
-        if len(g.linears) > 1:
-            g.x, g.out, g.unserved = x, out, (1 << len(g.linears)) - 1
-        return out
     out = F.linear(x, g.weight, g.bias)  # the group's one GEMM (stacked weights); contiguous
     if info is not None:
         x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
