@@ -158,3 +158,18 @@ def test_tall_kernels_compile_for_sm90():
     for k in ks:
         assert k["wgmma"] or k["mma_sync"], k
         assert 0 < k["shared"] <= 227 * 1024, k
+
+
+def test_register_cap_only_where_the_accumulator_fits(monkeypatch):
+    """The tuned expand_maxnreg applies to the table's tile, not to a group whose fp32 accumulator alone needs more
+    registers than it leaves (ptxas failed on groups of 8 under a cap of 64: H200 suite of 74fcf68)."""
+    monkeypatch.setattr(plan, "INTERPRET", False)
+    sp = plan.shrink_plan(4096, 3, 16, torch.bfloat16, True, torch.device("cpu"))
+    caps = {}
+    for group in (2, 8):
+        monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.tall_config(), "expand_maxnreg": 64,
+                                                                   "expand_group": group}})
+        plan.clear_cache()
+        caps[group] = plan.tall_plan(sp, (0, 4096, 5120, 6144), 16, torch.bfloat16)[0].expand_kw.get("maxnreg")
+    plan.clear_cache()
+    assert caps == {2: 64, 8: None}

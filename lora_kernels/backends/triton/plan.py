@@ -218,8 +218,13 @@ def tall_plan(sp: ShrinkPlan, slice_offsets: tuple, max_rank: int, dtype: torch.
     n_cols, scalars = slice_tiles(slice_offsets, ebn)
     ekw = dict(common, GROUP=c["expand_group" + wide], N_COLS=n_cols, BLOCK_N=ebn, BLOCK_R=max(16, _pow2(max_rank)),
                num_warps=c["expand_warps" + wide], num_stages=1)
-    if c["expand_maxnreg" + wide] and not INTERPRET:
-        ekw["maxnreg"] = c["expand_maxnreg" + wide]
+    cap = c["expand_maxnreg" + wide]
+    # The cap is tuned for the table's tile: a taller group's fp32 accumulator alone can need more registers per
+    # thread than it allows, and ptxas then fails (H200 suite of 74fcf68: groups of 8 tiles under a cap of 64). Only
+    # a cap of at least twice the accumulator's registers is applied.
+    acc_regs = ekw["GROUP"] * TILE_M * ebn // (32 * ekw["num_warps"])
+    if cap and cap >= 2 * acc_regs and not INTERPRET:
+        ekw["maxnreg"] = cap
     if s["PDL"]:
         skw["launch_pdl"] = ekw["launch_pdl"] = True
     tp = cached(("t", *sorted(skw.items()), *sorted(ekw.items())), lambda: TallPlan(skw, ekw))
