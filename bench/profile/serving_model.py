@@ -1,0 +1,117 @@
+"""What-if model of bench_serving's scenarios on the CPU: which load-path change could close issue 20's zipf gap?
+
+    python bench/profile/serving_model.py                                   (today's costs)
+    python bench/profile/serving_model.py --host-scale 0.5 --layerwise-ms 1.8
+
+The real scheduler and simulator (lora_kernels.serve_sim) replay bench_serving.py's traces (same scenario,
+seeds, loads, policies, oracle and statistics), but the engine is a cost model, not the GPU: a step takes
+a + b * rows, a host stage and a copy take the median times measured per adapter rank by the H200 serving run
+of bda3755 (bench/RESULTS.md), and the host tier is an LRU by bytes of the same 25% budget. With a = 1.8 ms and
+b = 7 µs the model gives overlap+prefetch's TTFT p50 at 0.8 load 1.127x the oracle in zipf:1.5 and 1.544x in
+distinct, against 1.121x and 1.680x measured: a tool to rank ideas before building them, never a result.
+
+Changes it can model:
+  --host-scale / --copy-scale  a faster host stage or copy (e.g. 0.5: twice as fast)
+  --workers N                  host stages at once (the engine runs min(4, cores))
+  --layerwise-ms S             layer-wise readiness: a request's step may start once layer 0 of its adapter is
+                               in place, each later layer arriving before the step reaches it (the step walks the
+                               8 layers in S ms or more), host stage and copy pipelined per layer. Modelled by
+                               charging a load max(h/8, h - 7/8 S) of host time and the rest of its end as copy:
+                               the worker and copy engine are then held for less than they would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_serving import base_config  # noqa: E402
+
+from lora_kernels.serve_sim import run as sr  # noqa: E402
+from lora_kernels.serve_sim.sim import LoadTiming, StepTiming  # noqa: E402
+
+HOST_MS = {8: 1.39, 16: 1.89, 32: 2.97, 64: 5.02}  # H200 serving run of bda3755: median per rank
+COPY_MS = {8: 0.21, 16: 0.40, 32: 0.77, 64: 1.52}
+
+
+class ModelEngine:
+    """The simulator's Engine protocol with modelled costs (see the module docstring)."""
+
+    record, unfed_steps, unfed_loads = None, 0, 0
+
+    def __init__(self, ranks, args):
+        self.ranks, self.args, self.host_workers = ranks, args, args.workers
+        self.size = [r / 8 for r in ranks]  # packed bytes are proportional to the rank
+        self.capacity = 0.25 * sum(self.size)
+
+    def reset(self):
+        self.host = OrderedDict()
+
+    def _stage(self, a) -> bool:
+        cold = a not in self.host
+        self.host[a] = True
+        self.host.move_to_end(a)
+        while sum(self.size[k] for k in self.host) > self.capacity:
+            self.host.popitem(last=False)
+        return cold
+
+    def issue_load(self, a, victim):
+        cold = self._stage(a)
+        self.host.move_to_end(a, last=False)  # the loader's host_exclusive demotion
+        return a, cold, True
+
+    def issue_stage(self, a):
+        return a, self._stage(a), False
+
+    def load_seconds(self, handle) -> LoadTiming:
+        a, cold, load = handle
+        r, args = self.ranks[a], self.args
+        host = HOST_MS[r] * 1e-3 * args.host_scale if cold else 0.0
+        copy = COPY_MS[r] * 1e-3 * args.copy_scale if load else 0.0
+        if args.layerwise_ms:
+            s = args.layerwise_ms * 1e-3
+            end = host + copy - 7 / 8 * s
+            host = max(host / 8, host - 7 / 8 * s)
+            copy = max(copy / 8, end - host) if load else 0.0
+        return LoadTiming(host, copy, cold)
+
+    def host_resident(self):
+        return set(self.host)
+
+    def host_budget(self):
+        return self.capacity, self.size
+
+    def run_step(self, plan) -> StepTiming:
+        return StepTiming(self.args.step_a_ms * 1e-3 + self.args.step_b_us * 1e-6 * plan.num_tokens, 0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--host-scale", type=float, default=1.0)
+    p.add_argument("--copy-scale", type=float, default=1.0)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--layerwise-ms", type=float, default=0.0)
+    p.add_argument("--step-a-ms", type=float, default=1.8)
+    p.add_argument("--step-b-us", type=float, default=7.0)
+    p.add_argument("--seeds", type=int, default=5)
+    args = p.parse_args()
+    cfg = base_config(SimpleNamespace(requests=100, seeds=args.seeds, loads="0.5,0.8,0.95", dists="zipf:1.5,distinct",
+                                      cache_dir=None, host_budget="25%", host_workers=None, smoke=False, layers=8,
+                                      backend="auto", timed_layers=None))
+    ranks = [int(cfg.rank_list()[i % len(cfg.rank_list())]) for i in range(cfg.adapters)]
+    report = sr.Report(cfg, adapter_ranks=ranks, host={})
+    sr.run_grid(cfg, ModelEngine(ranks, args), report)
+    print(f"# modelled: {vars(args)}")
+    for s in report.stats:
+        if s["load"] == 0.8 and s["policy"] in ("overlap+prefetch", "oracle"):
+            x = s["ttft_p50_x"]
+            print(f"{s['dist']:9s} {s['policy']:17s} TTFT p50 {s['ttft_p50_ms']:5.2f} ms, x oracle {x['median']:.3f} "
+                  f"[{x['lo']:.3f}, {x['hi']:.3f}], E2E p50 x oracle {s['e2e_p50_x']['median']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
