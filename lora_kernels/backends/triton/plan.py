@@ -120,11 +120,8 @@ def _make_shrink_plan(in_dim, num_slices, max_rank, dtype, has_perm, device) -> 
     k_chunk = _cdiv(_cdiv(in_dim, split), bk) * bk
     split = _cdiv(in_dim, k_chunk)
     pdl = use_pdl(device)
-    # num_warps_wide (absent from older tables): the warps of tiles wider than 128 columns (r64 qkv / gate_up), whose
-    # 4-warp programs held 240-246 registers per thread (12% occupancy; ncu, H200, seventh session).
-    warps = c.get("num_warps_wide", c["num_warps"]) if bn > 128 else c["num_warps"]
     kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, bn), BLOCK_M=TILE_M, BLOCK_N=bn, BLOCK_K=bk,
-              DOT_PREC=_dot_prec(dtype), PDL=pdl, num_warps=warps, num_stages=c["num_stages"])
+              DOT_PREC=_dot_prec(dtype), PDL=pdl, num_warps=c["num_warps"], num_stages=c["num_stages"])
     r = TABLE["reduce"]
     rbn = max(16, min(_pow2(nr), r["block_n"]))
     reduce_kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, rbn), BLOCK_M=TILE_M, BLOCK_N=rbn, PDL=pdl,
@@ -275,8 +272,7 @@ def fused_rows() -> int:
     """apply_lora takes the one-launch path up to this many rows of x (0: never). Never when the shrink and
     the expand use different warp counts: one launch has one, and the fused path must compute the bits of
     the two launches (the GPU tests check them with the table's warps)."""
-    shrink = TABLE["shrink"]
-    if {shrink["num_warps"], shrink.get("num_warps_wide", shrink["num_warps"])} != {TABLE["expand"]["num_warps"]}:
+    if TABLE["shrink"]["num_warps"] != TABLE["expand"]["num_warps"]:
         return 0
     return TABLE.get("fused", FUSED_DEFAULT)["max_rows"]
 
