@@ -296,6 +296,7 @@ def read_staged(fd: int, plan, shard: ShardSpec, packed, dtype: torch.dtype, m, 
 def init_from_torchrun(tp_size: int, device: str) -> tuple[int, int]:
     """(tp_rank, tp_size) of this process, one of `tp_size` started by torchrun, with the default process
     group initialized (NCCL for `device` cuda, on the GPU LOCAL_RANK; gloo for cpu)."""
+    import atexit
     import os
 
     import torch.distributed as dist
@@ -308,7 +309,17 @@ def init_from_torchrun(tp_size: int, device: str) -> tuple[int, int]:
         if device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        # Destroyed before the interpreter tears down: a gloo group left alive at exit can abort the process
+        # ("terminate called without an active exception", seen once in CI on serve-sim --tp 2's rank 1).
+        atexit.register(_destroy_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _group_size() -> int:
