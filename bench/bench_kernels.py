@@ -348,7 +348,6 @@ def tune_candidates(keys: str = "") -> list[dict]:
              ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches
              ("shrink", {"max_split": 16}),  # only down (K 14336: 16 chains of 7 steps, not 8 of 14) changes
              ("shrink", {"block_n": 32}), ("shrink", {"block_n": 16}),  # more programs for small batches (qkv S*R 48)
-             ("shrink", {"one_dot_k": 512}), ("shrink", {"one_dot_k": 256, "k_chunk_min": 256}),  # chunk read whole
              ("expand", {"ctas_per_sm": 4}), ("expand", {"ctas_per_sm": 16}), ("expand", {"block_n": 64}),
              ("expand", {"block_n": 256}), ("expand", {"num_stages": 1}), ("expand", {"num_stages": 3}),
              ("expand", {"num_warps": 8}),  # num_stages 1: the column loop unpipelined (1-3 tiles at decode)

@@ -34,7 +34,7 @@ def _shrink_item(x_ptr, a_ptr, ws_ptr, rows, row_mask, slot64, rank, ks, ct, K, 
     live = (cols < NR) & ((cols % R) < rank)
     k_begin = ks * k_chunk
     acc = _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin, tl.minimum(k_begin + k_chunk, K),
-                      K, NR, BLOCK_K, DOT_PREC, PDL, 0)
+                      K, NR, BLOCK_K, DOT_PREC, PDL)
     tl.store(ws_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :], acc,
              mask=row_mask[:, None] & live[None, :])
 

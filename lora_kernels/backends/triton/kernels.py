@@ -76,19 +76,11 @@ def _sum_splits(ws_ptr, rows, row_mask, cols, col_mask, split_stride, row_stride
 
 @triton.jit
 def _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin, k_end, K, NR,
-                BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, ONE_DOT: tl.constexpr):
+                BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """fp32 x[rows, k_begin:k_end] @ A[slot, cols, k_begin:k_end]ᵀ as one dot chain over BLOCK_K steps (the order
     every shrink path uses). The first A block is read before `gdc_wait`: no earlier kernel writes adapters."""
     a_rows = a_ptr + (slot64 * NR + cols[:, None]) * K
     x_rows = x_ptr + rows[:, None] * K
-    if ONE_DOT:  # the whole chunk (ONE_DOT columns) read at once, before gdc_wait for A: one dot over it
-        kk = k_begin + tl.arange(0, ONE_DOT)
-        k_mask = kk < k_end
-        at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
-        if PDL:
-            _gdc.gdc_wait()
-        xt = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        return tl.dot(xt, tl.trans(at), input_precision=DOT_PREC)
     kk = k_begin + tl.arange(0, BLOCK_K)
     k_mask = kk < k_end
     at = tl.load(a_rows + kk[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
@@ -110,7 +102,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr,
                    MT, K, R, NR, num_rows, k_chunk,
                    HAS_PERM: tl.constexpr, PARTIAL: tl.constexpr, SPLIT: tl.constexpr, N_TILES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-                   PDL: tl.constexpr, ONE_DOT: tl.constexpr):
+                   PDL: tl.constexpr):
     """Item (tile, column tile, split s): out[(s,) row, c] = sum over K chunk s of x[row, k] * A[slot, c, k].
 
     Columns are the flat S*R axis (c = i*R + j); only j < rank are read. PARTIAL: out is the workspace
@@ -134,7 +126,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, work, lora_ranks, perm_ptr,
             live = col_mask & ((cols % R) < rank)
             k_begin = ks * k_chunk
             acc = _shrink_dot(x_ptr, a_ptr, rows, row_mask, slot64, cols, live, k_begin,
-                              tl.minimum(k_begin + k_chunk, K), K, NR, BLOCK_K, DOT_PREC, PDL, ONE_DOT)
+                              tl.minimum(k_begin + k_chunk, K), K, NR, BLOCK_K, DOT_PREC, PDL)
             out_ptrs = out_ptr + (ks * num_rows + rows[:, None]) * NR + cols[None, :]
             if PARTIAL:
                 tl.store(out_ptrs, acc, mask=row_mask[:, None] & live[None, :])

@@ -120,11 +120,8 @@ def _make_shrink_plan(in_dim, num_slices, max_rank, dtype, has_perm, device) -> 
     k_chunk = _cdiv(_cdiv(in_dim, split), bk) * bk
     split = _cdiv(in_dim, k_chunk)
     pdl = use_pdl(device)
-    # one_dot_k (absent from older tables: 0): a K chunk up to this many columns (a power of two) is read whole
-    # and reduced by one dot, not a chain of BLOCK_K steps with one block in flight (a decode item is latency-bound).
-    one = k_chunk if k_chunk <= c.get("one_dot_k", 0) and k_chunk == _pow2(k_chunk) else 0
     kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, bn), BLOCK_M=TILE_M, BLOCK_N=bn, BLOCK_K=bk,
-              DOT_PREC=_dot_prec(dtype), PDL=pdl, ONE_DOT=one, num_warps=c["num_warps"], num_stages=c["num_stages"])
+              DOT_PREC=_dot_prec(dtype), PDL=pdl, num_warps=c["num_warps"], num_stages=c["num_stages"])
     r = TABLE["reduce"]
     rbn = max(16, min(_pow2(nr), r["block_n"]))
     reduce_kw = dict(HAS_PERM=has_perm, SPLIT=split, N_TILES=_cdiv(nr, rbn), BLOCK_M=TILE_M, BLOCK_N=rbn, PDL=pdl,
