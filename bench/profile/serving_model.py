@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_serving import base_config  # noqa: E402
 
 from lora_kernels.serve_sim import run as sr  # noqa: E402
+from lora_kernels.serve_sim.folders import adapter_rank  # noqa: E402
 from lora_kernels.serve_sim.sim import LoadTiming, StepTiming  # noqa: E402
 
 HOST_MS = {8: 1.39, 16: 1.89, 32: 2.97, 64: 5.02}  # H200 serving run of bda3755: median per rank
@@ -102,7 +103,7 @@ def main() -> None:
     cfg = base_config(SimpleNamespace(requests=100, seeds=args.seeds, loads="0.5,0.8,0.95", dists="zipf:1.5,distinct",
                                       cache_dir=None, host_budget="25%", host_workers=None, smoke=False, layers=8,
                                       backend="auto", timed_layers=None))
-    ranks = [int(cfg.rank_list()[i % len(cfg.rank_list())]) for i in range(cfg.adapters)]
+    ranks = [adapter_rank(k, cfg.rank_list()) for k in range(cfg.adapters)]  # as the bench's folders are written
     report = sr.Report(cfg, adapter_ranks=ranks, host={})
     sr.run_grid(cfg, ModelEngine(ranks, args), report)
     print(f"# modelled: {vars(args)}")

@@ -6,9 +6,9 @@
     apply_lora    shrink into the workspace, then the expand adds the partials in split order while it loads
                   v (no reduction kernel, no atomics); from `plan.reduce_first` rows on the partials are
                   reduced once first, so that no column tile re-reads them; up to `plan.fused_rows()` rows,
-                  both in one launch (fused.py), with the same bits; from `plan.tall_rows()` rows on, tall
-                  tiles (tall.py): groups of work-list tiles per dot, the shrink sums its K splits in registers
-                  into v, the expand reads v, again with the same bits
+                  both in one launch (fused.py), with the same bits; from the tall entry's `min_rows` rows on
+                  (pool ranks `min_rank`..`max_rank`), tall tiles (tall.py): groups of work-list tiles per dot,
+                  the shrink sums its K splits in registers into v, the expand reads v, again with the same bits
 
 Every kernel walks the batch's work list (`LoRABatchInfo.work`) with a persistent grid; plans come from
 shapes only (plan.py), launches from cached compiled kernels (launch.py).
@@ -115,7 +115,8 @@ def _sync_counters(max_tiles: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recipe:
+def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple, assign: bool = False) -> _Recipe:
+    """assign (tall path only): the expand writes the delta instead of adding it (`TritonBackend.lora_delta`)."""
     S, R, NR, rows, dev = len(slice_offsets) - 1, lora_b.shape[2], lora_a.shape[1], x.shape[0], x.device
     has_perm, mt = info.permutation is not None, info.max_tiles
     sp = _plan.shrink_plan(x.shape[1], S, NR // S, x.dtype, has_perm, dev)
@@ -124,7 +125,7 @@ def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recip
         return _Recipe("fused", (_fused_step(sp, x.shape, NR, R, slice_offsets, x.dtype, has_perm, mt, dev),), ws, None)
     if path[0] == "tall":
         # v in the adapters' dtype: the expand casts v to it before its dot anyway, so the same bits, half the bytes.
-        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, x.dtype, mt), None,
+        return _Recipe("tall", _tall_steps(sp, x.shape, NR, R, slice_offsets, x.dtype, x.dtype, mt, assign), None,
                        (rows, NR))
     shrink = _shrink_step(sp, x.shape, NR, NR // S, mt, True, torch.float32, dev)
     # The partials are reduced into v first from reduce_first rows on (no column tile re-reads them); otherwise the
@@ -138,6 +139,13 @@ def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple) -> _Recip
                    (rows, NR))
 
 
+
+
+def _run_tall(r: _Recipe, x, out, lora_a, lora_b, info, work, perm) -> None:
+    """A tall recipe's two launches: the shrink into v (the adapters' dtype), then the expand into out."""
+    v = torch.empty(r.v, dtype=x.dtype, device=x.device)
+    r.steps[0](x, lora_a, v, work, info.lora_ranks, perm)
+    r.steps[1](v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
 
 
 class TritonBackend:
@@ -180,13 +188,8 @@ class TritonBackend:
         work, perm = _work(info)
         key = ("delta", x.shape, x.dtype, lora_a.shape, lora_b.shape[2], slice_offsets, x.device, info.max_tiles,
                perm is not work, path)
-        r = _plan.cached(key, lambda: _Recipe("tall", _tall_steps(
-            _plan.shrink_plan(x.shape[1], len(slice_offsets) - 1, lora_b.shape[2], x.dtype, perm is not work,
-                              x.device), x.shape, lora_a.shape[1], lora_b.shape[2], slice_offsets, x.dtype,
-            x.dtype, info.max_tiles, assign=True), None, (x.shape[0], lora_a.shape[1])))
-        v = torch.empty(r.v, dtype=x.dtype, device=x.device)
-        r.steps[0](x, lora_a, v, work, info.lora_ranks, perm)
-        r.steps[1](v, lora_b, out, work, info.lora_ranks, info.scalings, perm)
+        r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path, assign=True))
+        _run_tall(r, x, out, lora_a, lora_b, info, work, perm)
         return True
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
@@ -197,9 +200,7 @@ class TritonBackend:
         r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path))
         ranks = info.lora_ranks
         if r.mode == "tall":
-            v = torch.empty(r.v, dtype=x.dtype, device=x.device)
-            r.steps[0](x, lora_a, v, work, ranks, perm)
-            r.steps[1](v, lora_b, base_out, work, ranks, info.scalings, perm)
+            _run_tall(r, x, base_out, lora_a, lora_b, info, work, perm)
             return
         ws = torch.empty(r.ws, dtype=torch.float32, device=x.device)
         if r.mode == "fused":

@@ -237,11 +237,6 @@ def tall_config() -> dict:
     return {k: table.get(k, v) for k, v in TALL_DEFAULT.items()}
 
 
-def tall_rows() -> int:
-    """apply_lora takes the tall-tile path from this many rows of x on (0: never); same bits either way."""
-    return tall_config()["min_rows"]
-
-
 _paths: list = [None, {}]  # [the TABLE object the memo was made for, {(rows, rank): path}]
 
 
@@ -263,8 +258,9 @@ def apply_path(rows: int, rank: int) -> tuple:
 def _choose_path(rows: int, rank: int) -> tuple:
     if rows <= fused_rows():
         return ("fused", *sorted({**FUSED_DEFAULT, **TABLE.get("fused", {})}.items()))
-    if rows >= tall_rows() > 0 and tall_config()["min_rank"] <= rank <= tall_config()["max_rank"]:
-        return ("tall", *sorted(tall_config().items()))
+    tall = tall_config()
+    if rows >= tall["min_rows"] > 0 and tall["min_rank"] <= rank <= tall["max_rank"]:
+        return ("tall", *sorted(tall.items()))
     return ("split",)
 
 
