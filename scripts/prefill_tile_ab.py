@@ -39,6 +39,13 @@ def _slot_rank(tslot, lora_ranks, pid_m):
 
 
 @triton.jit
+def _tile_rows(trow0, tend, pid_m, BM: tl.constexpr):
+    """Row tile pid_m's rows (int64) and their mask."""
+    rows = tl.load(trow0 + pid_m) + tl.arange(0, BM)
+    return rows.to(tl.int64), rows < tl.load(tend + pid_m)
+
+
+@triton.jit
 def _stream_expand(v_ptr, b_ptr, out_ptr, tslot, trow0, tend, lora_ranks, scalings, R, NR, OUT, off1, off2, off3,
                    N_COL, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BASE_FIRST: tl.constexpr,
                    GROUP_COLS: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -52,11 +59,7 @@ def _stream_expand(v_ptr, b_ptr, out_ptr, tslot, trow0, tend, lora_ranks, scalin
         pid_m = pid % n_rt
     s, rank = _slot_rank(tslot, lora_ranks, pid_m)
     if rank > 0:
-        row0 = tl.load(trow0 + pid_m)
-        end = tl.load(tend + pid_m)
-        rows = row0 + tl.arange(0, BM)
-        rmask = rows < end
-        rows64 = rows.to(tl.int64)
+        rows64, rmask = _tile_rows(trow0, tend, pid_m, BM)
         n = pid_n * BN + tl.arange(0, BN)
         n0 = pid_n * BN
         i = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32) + (n0 >= off3).to(tl.int32)
@@ -85,11 +88,7 @@ def _stream_shrink(x_ptr, a_ptr, v_ptr, tslot, trow0, tend, lora_ranks, K, R, NR
     pid_m = pid // N_COL
     pid_n = pid % N_COL
     s, rank = _slot_rank(tslot, lora_ranks, pid_m)
-    row0 = tl.load(trow0 + pid_m)
-    end = tl.load(tend + pid_m)
-    rows = row0 + tl.arange(0, BM)
-    rmask = rows < end
-    rows64 = rows.to(tl.int64)
+    rows64, rmask = _tile_rows(trow0, tend, pid_m, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < NR
     live = cmask & ((cols % R) < rank)
@@ -180,11 +179,14 @@ def main():
             cands["pkg expand split"] = lambda: tb.BACKEND.sgmv_expand(v_ref, b, info, offsets, out)
             # package tall expand (the apply path's expand at prefill)
             sp = tplan.shrink_plan(K, S, R, dt, False, out.device)
-            tall_s, tall_e = tb._tall_steps(sp, x.shape, NR, R, offsets, dt, torch.float32, info.max_tiles)
+            # (v in the adapters' dtype, as the package's tall path keeps it)
+            tall_s, tall_e = tb._tall_steps(sp, x.shape, NR, R, offsets, dt, dt, info.max_tiles)
             w, rk, sc = info.work, info.lora_ranks, info.scalings
-            cands["pkg expand tall"] = lambda: tall_e(v_ref, b, out, w, rk, sc, w)
+            v_tall = v_ref.to(dt)
+            cands["pkg expand tall"] = lambda: tall_e(v_tall, b, out, w, rk, sc, w)
             vt_buf = torch.empty_like(v_ref)
-            cands["pkg shrink tall"] = lambda: tall_s(x, a, vt_buf, w, rk, w)
+            vt_tall = torch.empty_like(v_tall)
+            cands["pkg shrink tall"] = lambda: tall_s(x, a, vt_tall, w, rk, w)
             cands["pkg shrink split"] = lambda: tb.BACKEND.sgmv_shrink(x, a, info, S, vt_buf)
             prec = "ieee" if dt == torch.float32 else "tf32"
             offs = list(offsets[1:-1]) + [OUT] * (4 - S)
