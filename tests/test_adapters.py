@@ -236,9 +236,9 @@ class _SlowLoader(AdapterLoader):
         super().__init__(*a, **k)
         self.inflight: set[int] = set()
 
-    def _issue(self, slot, packed):
+    def _issue(self, slot, packed, progress=None):
         assert slot not in self.inflight
-        super()._issue(slot, packed)
+        super()._issue(slot, packed, progress)
         self.inflight.add(slot)
 
     def is_loading(self, slot):

@@ -367,3 +367,79 @@ def test_folder_truncated_mid_read_fails_its_request_and_leaks_no_slot_event_or_
     assert loader.slot_of("a0") is None and loader._pending == set() and all(p is None for p in loader._load_src)
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # a host allocator count: checked in the runs without the tool
         assert blocks[-1] == blocks[-4], f"pinned blocks created per round: {blocks}"
+
+
+def _published(store, name, pin=True):
+    """(a LayerProgress whose buffer, published but full of NaN bytes, has the layout of `name`'s packed adapter,
+    that packed adapter): the test fills the buffer itself, layer by layer."""
+    from lora_kernels.adapters import layout as lay
+    from lora_kernels.adapters.progress import LayerProgress
+
+    real = store.get(name)
+    buf = torch.full_like(real.buffer, 0xFF)
+    p = LayerProgress(SPEC.layers, pin=pin)
+    p.publish(lay.wrap_buffer(name, real.blocks, buf, real.scaling, real.dtype, pin=True))
+    return p, real
+
+
+@pytest.mark.parametrize("rank", [16, 5])  # r = R; r < R (B staged and scattered per layer)
+def test_layerwise_copies_wait_on_the_gpu_for_each_host_layer(rank):
+    """Copies queued before the host has written anything: each layer's copy must wait for the host's flag (a
+    copy that ran early would move NaN bytes), and a batch that waits per layer sees each layer complete."""
+    if not lk.HAS_CUDA_EXT:
+        pytest.skip("extension not built")
+    import time
+
+    w = AdapterWeights.random(SPEC, rank, seed=7)
+    pool, store, loader = _setup(2, 16, {"a": w})
+    p, real = _published(store, "a")
+    loader.load_async("a", progress=p)  # returns at once: nothing written yet
+    slot = loader.acquire(["a"], layerwise=True)[0]
+    seen = []
+    for layer in range(SPEC.layers):  # the batch: a copy of each layer's slot data after wait_layer(layer)
+        loader.wait_layer(layer)
+        seen.append({g.name: (pool.lora_a[layer][g.name][slot].clone(), pool.lora_b[layer][g.name][slot].clone())
+                     for g in SPEC.groups})
+    loader.release(["a"])
+    time.sleep(0.05)  # an unguarded copy would have run by now
+    dst = p.packed.buffer
+    bounds = [real.blocks.a[(layer, SPEC.groups[0].name)].offset for layer in range(SPEC.layers)] + [dst.numel()]
+    dst[:bounds[0]].copy_(real.buffer[:bounds[0]])
+    for layer in range(SPEC.layers):
+        dst[bounds[layer]:bounds[layer + 1]].copy_(real.buffer[bounds[layer]:bounds[layer + 1]])
+        p.reached(layer + 1)
+        time.sleep(0.02)
+    torch.cuda.synchronize()
+    check_slot(pool, slot, w)
+    R = pool.max_rank
+    for layer in range(SPEC.layers):
+        for g in SPEC.groups:
+            a, b = seen[layer][g.name]
+            src_a, src_b = w.lora_a[(layer, g.name)].cuda(), w.lora_b[(layer, g.name)].cuda()
+            for i in range(g.num_slices):
+                assert torch.equal(a[i * R:i * R + rank], src_a[i * rank:(i + 1) * rank]), (layer, g.name, i)
+            assert torch.equal(b[:, :rank], src_b), (layer, g.name)
+    assert loader.is_ready("a") and not loader.take_failures()
+
+
+def test_layerwise_host_failure_releases_the_gpu_and_fails_only_that_load():
+    """A host stage that fails after its copies were queued: the GPU waits end (no hang), the loader reports the
+    failure once and forgets the adapter after the batch that held it; another adapter's load is exact."""
+    if not lk.HAS_CUDA_EXT:
+        pytest.skip("extension not built")
+    ws = {"bad": AdapterWeights.random(SPEC, 8, seed=8), "good": AdapterWeights.random(SPEC, 8, seed=9)}
+    pool, store, loader = _setup(2, 16, ws)
+    p, _ = _published(store, "bad")
+    loader.load_async("bad", progress=p)
+    slots = loader.acquire(["bad", "good"], layerwise=True)
+    for layer in range(SPEC.layers):
+        loader.wait_layer(layer)
+    marker = torch.ones(1, device="cuda")  # runs after both loads' layers
+    loader.release(["bad", "good"])
+    p.fail(OSError("folder vanished"))
+    torch.cuda.synchronize()  # would hang if the failed flag did not release the waits
+    assert float(marker) == 1.0
+    failed = loader.take_failures()
+    assert list(failed) == ["bad"] and "vanished" in str(failed["bad"])
+    assert loader.slot_of("bad") is None and not loader.take_failures()
+    check_slot(pool, slots[1], ws["good"])

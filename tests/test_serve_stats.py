@@ -169,9 +169,9 @@ def test_timed_layers_runs_the_last_k_layers_and_scales_the_time(tmp_path):
     layers_run, seen = set(), []
     forward, linear = engine.model.forward, engine.model._linear
 
-    def spy(ids, info, pool, layers=None):
+    def spy(ids, info, pool, layers=None, before_layer=None):
         seen.append(layers)
-        return forward(ids, info, pool, layers)
+        return forward(ids, info, pool, layers, before_layer)
 
     def spy_linear(pool, layer, group, x, info):
         layers_run.add(layer)

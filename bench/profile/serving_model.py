@@ -13,11 +13,11 @@ distinct, against 1.121x and 1.680x measured: a tool to rank ideas before buildi
 Changes it can model:
   --host-scale / --copy-scale  a faster host stage or copy (e.g. 0.5: twice as fast)
   --workers N                  host stages at once (the engine runs min(4, cores))
-  --layerwise-ms S             layer-wise readiness: a request's step may start once layer 0 of its adapter is
-                               in place, each later layer arriving before the step reaches it (the step walks the
-                               8 layers in S ms or more), host stage and copy pipelined per layer. Modelled by
-                               charging a load max(h/8, h - 7/8 S) of host time and the rest of its end as copy:
-                               the worker and copy engine are then held for less than they would be.
+  --layerwise host|copy|both   layer-wise loads, placed by the simulator layer by layer (LoadTiming's host_layers
+                               and h2d_layers): a step may start before the adapter's last layers are in place,
+                               and stops at a layer that is late. "copy": the host stage is one unit, its copy is
+                               issued per layer; "host": the host stage reports each layer (its copy is one unit
+                               after the last); "both". Each layer takes 1/L of the stage's time.
 """
 
 from __future__ import annotations
@@ -73,12 +73,10 @@ class ModelEngine:
         r, args = self.ranks[a], self.args
         host = HOST_MS[r] * 1e-3 * args.host_scale if cold else 0.0
         copy = COPY_MS[r] * 1e-3 * args.copy_scale if load else 0.0
-        if args.layerwise_ms:
-            s = args.layerwise_ms * 1e-3
-            end = host + copy - 7 / 8 * s
-            host = max(host / 8, host - 7 / 8 * s)
-            copy = max(copy / 8, end - host) if load else 0.0
-        return LoadTiming(host, copy, cold)
+        n, mode = self.layers, args.layerwise
+        host_layers = tuple(host * (i + 1) / n for i in range(n)) if cold and mode in ("host", "both") else None
+        h2d_layers = (copy / n,) * n if load and mode in ("copy", "both") else None
+        return LoadTiming(host, copy, cold, host_layers, h2d_layers)
 
     def host_resident(self):
         return set(self.host)
@@ -95,7 +93,7 @@ def main() -> None:
     p.add_argument("--host-scale", type=float, default=1.0)
     p.add_argument("--copy-scale", type=float, default=1.0)
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--layerwise-ms", type=float, default=0.0)
+    p.add_argument("--layerwise", choices=("none", "host", "copy", "both"), default="none")
     p.add_argument("--step-a-ms", type=float, default=1.8)
     p.add_argument("--step-b-us", type=float, default=7.0)
     p.add_argument("--seeds", type=int, default=5)
@@ -105,7 +103,9 @@ def main() -> None:
                                       backend="auto", timed_layers=None))
     ranks = [adapter_rank(k, cfg.rank_list()) for k in range(cfg.adapters)]  # as the bench's folders are written
     report = sr.Report(cfg, adapter_ranks=ranks, host={})
-    sr.run_grid(cfg, ModelEngine(ranks, args), report)
+    engine = ModelEngine(ranks, args)
+    engine.layers = cfg.layers
+    sr.run_grid(cfg, engine, report)
     print(f"# modelled: {vars(args)}")
     for s in report.stats:
         if s["load"] == 0.8 and s["policy"] in ("overlap+prefetch", "oracle"):

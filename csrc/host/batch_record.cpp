@@ -4,6 +4,7 @@
 #include "host/batch_record.h"
 
 #include "host/file_reads.h"
+#include "host/stream_wait.h"
 
 #include <cuda_runtime_api.h>
 
@@ -266,6 +267,13 @@ PyMethodDef host_methods[] = {
     {"pread_into", pread_into, METH_VARARGS,
      "pread_into(fd, [(file_offset, writable_buffer), ...], threads=1) -> None, or (job, file_byte, errno) of the first read "
      "that failed (errno 0: end of file); every read with the GIL released"},
+    {"pread_layers", pread_layers, METH_VARARGS,
+     "pread_layers(fd, jobs, layers, nlayers, threads, flag) -> (None or (job, file_byte, errno), layer times): jobs "
+     "tagged with non-decreasing layers, read layer by layer by all threads; the count of complete layers is stored "
+     "into flag (int32 buffer or None) as each completes"},
+    {"stream_wait_geq", stream_wait_geq, METH_VARARGS,
+     "stream_wait_geq(stream, host_addr, value) -> None: the CUDA stream waits until the pinned int32 at host_addr "
+     "is >= value (cuStreamWaitValue32)"},
     {"read_heads", read_heads, METH_VARARGS,
      "read_heads(config_path, weights_path) -> (config bytes, weights size, safetensors header bytes) or None on any "
      "error; the GIL released once"},

@@ -5,7 +5,9 @@
 // close releases the GIL and must take it back; while the scheduler thread runs Python (it launches the step's
 // kernels), each take can wait for the interpreter's switch interval (5 ms). Here a worker takes it back once.
 //   read_heads: the config's bytes, the weights file's size and its JSON header's bytes (the plan cache's key);
-//   pread_into: a list of (file offset, buffer) reads, on up to `threads` threads.
+//   pread_into: a list of (file offset, buffer) reads, on up to `threads` threads;
+//   pread_layers: the same list, each job tagged with its model layer, read layer by layer by all threads at once,
+//     reporting when each layer is complete (a layer-wise load copies layer l once its bytes are in place).
 #include "host/file_reads.h"
 
 #include <errno.h>
@@ -15,8 +17,12 @@
 
 #include <string>
 
+#include <time.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -105,6 +111,34 @@ bool read_header(const char* path, long long& size, std::string& header) {
   return ok;
 }
 
+// Seconds on CLOCK_MONOTONIC, the clock of Python's time.perf_counter on Linux.
+double monotonic_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// Parses [(file offset, writable buffer), ...] into views/offsets; false with a Python error set. `got` is the
+// number of views acquired (to release).
+bool parse_jobs(PyObject* seq, std::vector<Py_buffer>& views, std::vector<long long>& offsets, Py_ssize_t& got) {
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  views.resize(n);
+  offsets.resize(n);
+  for (got = 0; got < n; ++got) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, got);
+    PyObject* buf = nullptr;
+    if (!PyArg_ParseTuple(item, "LO", &offsets[got], &buf)) return false;
+    if (offsets[got] < 0) {
+      PyErr_Format(PyExc_ValueError, "jobs[%zd] has a negative file offset %lld", got, offsets[got]);
+      return false;
+    }
+    if (PyObject_GetBuffer(buf, &views[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return false;
+  }
+  return true;
+}
+
+constexpr size_t kLayerChunk = 1 << 20;  // a layer's jobs are cut into pieces of this size that the threads share
+
 }  // namespace
 
 PyObject* read_heads(PyObject* /*self*/, PyObject* args) {
@@ -134,27 +168,10 @@ PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
   PyObject* seq = PySequence_Fast(jobs_obj, "pread_into: jobs must be a list of (file offset, writable buffer)");
   if (seq == nullptr) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  std::vector<Py_buffer> views(n);
-  std::vector<long long> offsets(n);
+  std::vector<Py_buffer> views;
+  std::vector<long long> offsets;
   Py_ssize_t got = 0;
-  bool ok = true;
-  for (; got < n; ++got) {
-    PyObject* item = PySequence_Fast_GET_ITEM(seq, got);
-    PyObject* buf = nullptr;
-    if (!PyArg_ParseTuple(item, "LO", &offsets[got], &buf)) {
-      ok = false;
-      break;
-    }
-    if (offsets[got] < 0) {
-      PyErr_Format(PyExc_ValueError, "pread_into: jobs[%zd] has a negative file offset %lld", got, offsets[got]);
-      ok = false;
-      break;
-    }
-    if (PyObject_GetBuffer(buf, &views[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-      ok = false;
-      break;
-    }
-  }
+  const bool ok = parse_jobs(seq, views, offsets, got);
   // Contiguous runs of jobs of about equal bytes, one per thread (the first on this one); the GIL is released
   // for all of them. The first failure in job order is reported.
   Failure failed;
@@ -191,6 +208,117 @@ PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
   if (!ok) return nullptr;
   if (failed.job < 0) Py_RETURN_NONE;
   return Py_BuildValue("(nLi)", failed.job, failed.at, failed.err);
+}
+
+PyObject* pread_layers(PyObject* /*self*/, PyObject* args) {
+  int fd, nlayers, threads;
+  PyObject *jobs_obj, *layers_obj, *flag_obj;
+  if (!PyArg_ParseTuple(args, "iOOiiO", &fd, &jobs_obj, &layers_obj, &nlayers, &threads, &flag_obj)) return nullptr;
+  PyObject* seq = PySequence_Fast(jobs_obj, "pread_layers: jobs must be a list of (file offset, writable buffer)");
+  if (seq == nullptr) return nullptr;
+  std::vector<Py_buffer> views;
+  std::vector<long long> offsets;
+  Py_ssize_t got = 0;
+  bool ok = parse_jobs(seq, views, offsets, got);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  std::vector<int> layer_of(n);
+  Py_buffer flag{};
+  bool have_flag = false;
+  if (ok) {  // one layer per job, non-decreasing, in [0, nlayers)
+    PyObject* lseq = PySequence_Fast(layers_obj, "pread_layers: layers must be a sequence of ints");
+    ok = lseq != nullptr && PySequence_Fast_GET_SIZE(lseq) == n;
+    if (lseq != nullptr && !ok) PyErr_Format(PyExc_ValueError, "pread_layers: %zd layers for %zd jobs",
+                                             PySequence_Fast_GET_SIZE(lseq), n);
+    for (Py_ssize_t i = 0; ok && i < n; ++i) {
+      const long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(lseq, i));
+      if ((v == -1 && PyErr_Occurred()) || v < 0 || v >= nlayers || (i > 0 && v < layer_of[i - 1])) {
+        if (!PyErr_Occurred())
+          PyErr_Format(PyExc_ValueError, "pread_layers: layers[%zd] = %ld is not in [0, %d) or decreases", i, v,
+                       nlayers);
+        ok = false;
+      } else {
+        layer_of[i] = static_cast<int>(v);
+      }
+    }
+    Py_XDECREF(lseq);
+  }
+  if (ok && flag_obj != Py_None) {  // where the count of complete layers is stored (a pinned int32 a GPU polls)
+    ok = PyObject_GetBuffer(flag_obj, &flag, PyBUF_WRITABLE) == 0;
+    have_flag = ok;
+    if (ok && (flag.len < 4 || reinterpret_cast<uintptr_t>(flag.buf) % 4 != 0)) {
+      PyErr_SetString(PyExc_ValueError, "pread_layers: flag must be a writable, 4-byte aligned buffer of >= 4 bytes");
+      ok = false;
+    }
+  }
+  Failure failed;
+  std::vector<double> times;
+  if (ok && nlayers > 0) {
+    struct Piece {
+      Py_ssize_t job;
+      size_t begin, len;
+    };
+    std::vector<Piece> pieces;
+    std::vector<std::atomic<long long>> left(nlayers);
+    for (auto& c : left) c.store(0);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const size_t len = static_cast<size_t>(views[i].len);
+      for (size_t b = 0; b < len; b += kLayerChunk) {
+        pieces.push_back({i, b, std::min(kLayerChunk, len - b)});
+        left[layer_of[i]].fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    int* flag_ptr = have_flag ? static_cast<int*>(flag.buf) : nullptr;
+    std::atomic<size_t> next{0};
+    std::atomic<bool> stop{false};
+    std::mutex mu;
+    int prefix = 0;
+    // Layers complete in order: the thread that finishes a layer's last piece moves the prefix over every
+    // complete layer, stamping each and publishing the count (release: its bytes are in place before it).
+    auto advance = [&] {
+      std::lock_guard<std::mutex> lock(mu);
+      while (prefix < nlayers && left[prefix].load(std::memory_order_acquire) == 0) {
+        times.push_back(monotonic_s());
+        ++prefix;
+        if (flag_ptr != nullptr) __atomic_store_n(flag_ptr, prefix, __ATOMIC_RELEASE);
+      }
+    };
+    auto work = [&] {
+      for (;;) {
+        if (stop.load(std::memory_order_relaxed)) return;
+        const size_t k = next.fetch_add(1);
+        if (k >= pieces.size()) return;
+        const Piece& p = pieces[k];
+        char* dst = static_cast<char*>(views[p.job].buf) + p.begin;
+        const long long off = offsets[p.job] + static_cast<long long>(p.begin);
+        const size_t done = pread_full(fd, dst, p.len, off);
+        if (done < p.len) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (failed.job < 0 || p.job < failed.job) failed = Failure{p.job, off + static_cast<long long>(done), errno};
+          stop.store(true);
+          return;
+        }
+        if (left[layer_of[p.job]].fetch_sub(1, std::memory_order_acq_rel) == 1) advance();
+      }
+    };
+    const int t = static_cast<int>(std::max<size_t>(1, std::min<size_t>({static_cast<size_t>(std::max(threads, 1)),
+                                                                           pieces.size(), 64})));
+    Py_BEGIN_ALLOW_THREADS
+    advance();  // leading layers with no bytes
+    std::vector<std::thread> pool;
+    for (int k = 1; k < t; ++k) pool.emplace_back(work);
+    work();
+    for (auto& th : pool) th.join();
+    Py_END_ALLOW_THREADS
+  }
+  if (have_flag) PyBuffer_Release(&flag);
+  for (Py_ssize_t i = 0; i < got; ++i) PyBuffer_Release(&views[i]);
+  Py_DECREF(seq);
+  if (!ok) return nullptr;
+  PyObject* stamps = PyTuple_New(static_cast<Py_ssize_t>(times.size()));
+  if (stamps == nullptr) return nullptr;
+  for (size_t i = 0; i < times.size(); ++i) PyTuple_SET_ITEM(stamps, static_cast<Py_ssize_t>(i), PyFloat_FromDouble(times[i]));
+  if (failed.job < 0) return Py_BuildValue("(ON)", Py_None, stamps);
+  return Py_BuildValue("((nLi)N)", failed.job, failed.at, failed.err, stamps);
 }
 
 }  // namespace lora_kernels

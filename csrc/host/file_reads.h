@@ -1,6 +1,9 @@
 // The host stage's file reads with the GIL released once per call (file_reads.cpp):
 //   pread_into(fd, [(file offset, writable buffer), ...], threads=1) -> None, or (job index, file byte, errno) of
 //     the first read that failed (errno 0: end of file);
+//   pread_layers(fd, jobs, layers, nlayers, threads, flag) -> (None or the failure as above, (time each layer was
+//     complete, CLOCK_MONOTONIC seconds, ...)): jobs sorted by `layers` (one per job), read by all threads layer by
+//     layer; after each complete layer the count of complete layers is stored into `flag` (an int32 buffer, or None);
 //   read_heads(config_path, weights_path) -> (config bytes, weights file size, safetensors header bytes), or None
 //     on any error (the caller's Python path then raises the error that names it).
 #pragma once
@@ -8,5 +11,6 @@
 
 namespace lora_kernels {
 PyObject* pread_into(PyObject* self, PyObject* args);
+PyObject* pread_layers(PyObject* self, PyObject* args);
 PyObject* read_heads(PyObject* self, PyObject* args);
 }  // namespace lora_kernels

@@ -20,6 +20,10 @@ never reads a file and several cold adapters are read at once:
   time, not CPU time: waiting on the disk is part of the cost.
 - The stage holds its `PackedAdapter`: if the store drops it (LRU) before the H2D copy is issued, the
   buffer stays alive and the copy is still right.
+- Layer-wise (`HostStager(..., layerwise=True)`): a cold read reports each layer as it lands
+  (`stage.progress`, a `LayerProgress`; `stage.layer_seconds` once done). Its buffer is published before it
+  is filled, so a loader can enqueue the copies of a read still in flight (`AdapterLoader.load_async(...,
+  progress=stage.progress)`), each layer's copy waiting on the GPU for its layer.
 """
 
 from __future__ import annotations
@@ -31,14 +35,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Hashable
 
 from lora_kernels.adapters.host_store import HostAdapterStore, PackedAdapter
+from lora_kernels.adapters.progress import LayerProgress
 
 
 class HostStage:
     """One submit's view of a host stage (see the module docstring)."""
 
-    def __init__(self, adapter_id: Hashable, future: Future, cold: bool):
-        self.adapter_id, self.future, self.cold = adapter_id, future, cold
+    def __init__(self, adapter_id: Hashable, future: Future, cold: bool, progress: LayerProgress | None = None):
+        self.adapter_id, self.future, self.cold, self.progress = adapter_id, future, cold, progress
         self._seconds = 0.0
+        self._t0 = 0.0  # monotonic start of the read on the worker
+
+    @property
+    def layer_seconds(self) -> tuple[float, ...] | None:
+        """When each layer of a layer-wise read was in place, seconds from the read's start (valid once done; the
+        last is `seconds`); None unless this submit started a layer-wise read that succeeded."""
+        p = self.progress
+        if not self.cold or p is None or p.failed or len(p.times) < p.layers:
+            return None
+        return tuple(min(max(t - self._t0, 0.0), self._seconds) for t in p.times[:-1]) + (self._seconds,)
 
     @property
     def seconds(self) -> float:
@@ -57,13 +72,14 @@ def default_workers() -> int:
 
 
 class HostStager:
-    """Runs `store.get` of cold adapters on `workers` threads (default min(4, cores)); thread-safe `submit`."""
+    """Runs `store.get` of cold adapters on `workers` threads (default min(4, cores)); thread-safe `submit`.
+    layerwise: cold reads report each layer (`HostStage.progress`)."""
 
-    def __init__(self, store: HostAdapterStore, workers: int | None = None):
+    def __init__(self, store: HostAdapterStore, workers: int | None = None, layerwise: bool = False):
         workers = default_workers() if workers is None else workers
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
-        self.store, self.workers = store, workers
+        self.store, self.workers, self.layerwise = store, workers, layerwise
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-host-stage")
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, HostStage] = {}
@@ -81,19 +97,23 @@ class HostStager:
                 done: Future = Future()
                 done.set_result(packed)
                 return HostStage(adapter_id, done, cold=False)
-            stage = HostStage(adapter_id, Future(), cold=True)
+            progress = LayerProgress(self.store.spec.layers, self.store.pin) if self.layerwise else None
+            stage = HostStage(adapter_id, Future(), cold=True, progress=progress)
             self._inflight[adapter_id] = stage
             self._pool.submit(self._read, stage)
             return stage
 
     def _read(self, stage: HostStage) -> None:
-        t0 = time.perf_counter()
+        t0 = stage._t0 = time.monotonic()
         packed, error = None, None
         try:
-            packed = self.store.get(stage.adapter_id)
+            p = stage.progress
+            packed = self.store.get(stage.adapter_id) if p is None else self.store.get(stage.adapter_id, progress=p)
         except BaseException as e:  # delivered to whoever waits on the stage
             error = e
-        stage._seconds = time.perf_counter() - t0
+            if stage.progress is not None:
+                stage.progress.fail(e)  # releases any GPU wait on it
+        stage._seconds = time.monotonic() - t0
         # Out of the in-flight table before the waiter wakes: a done stage is never found there (a later
         # submit of the id then hits the store, or reads again after an error).
         with self._lock:

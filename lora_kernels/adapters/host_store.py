@@ -118,12 +118,14 @@ class HostAdapterStore:
         with self._lock:
             return list(self._packed)
 
-    def get(self, adapter_id: str) -> PackedAdapter:
+    def get(self, adapter_id: str, progress=None) -> PackedAdapter:
         """The packed adapter, reading and packing its folder first when the store does not hold it.
 
         Raises KeyError for an unknown id, ValueError when the adapter alone needs more than
         `capacity_bytes` (checked from the file's header, before any allocation or read), and
-        AdapterFormatError naming the adapter and its file when the folder is missing or bad."""
+        AdapterFormatError naming the adapter and its file when the folder is missing or bad.
+        progress: a `LayerProgress` the read publishes its buffer and each complete layer to (a store hit
+        publishes the held buffer, complete)."""
         from lora_kernels.adapters.peft import AdapterFormatError, plan_peft_adapter
         from lora_kernels.adapters.reader import planned_nbytes, read_packed
 
@@ -131,6 +133,9 @@ class HostAdapterStore:
             packed = self._packed.get(adapter_id)
             if packed is not None:
                 self._packed.move_to_end(adapter_id)
+                if progress is not None:
+                    progress.publish(packed)
+                    progress.complete()
                 return packed
             path = self._paths.get(adapter_id)
         if path is None:
@@ -142,7 +147,7 @@ class HostAdapterStore:
                 raise ValueError(f"adapter {adapter_id!r} ({path}) needs {need} bytes of host memory, above the "
                                  f"store's capacity_bytes={self.capacity_bytes}")
             packed = read_packed(adapter_id, path, self.spec, self.dtype, pin=self.pin, plan=plan,
-                                 check_finite=self.check_finite, read_threads=self.read_threads)
+                                 check_finite=self.check_finite, read_threads=self.read_threads, progress=progress)
         except AdapterFormatError as e:
             raise AdapterFormatError(f"adapter {adapter_id!r}: {e}") from None
         self._insert(packed)

@@ -255,3 +255,64 @@ def dest_plan(layout: PackedLayout, pool, slot: int, staging: torch.Tensor | Non
         a = pool.lora_a[layer][g][slot]
         dsts += [_bytes(a[i * R:i * R + r]) for i in range(spec.group(g).num_slices)]
     return DestPlan(dsts, scatter, zero, split, off * staging.element_size())
+
+
+# ---- layer-wise copy plans -----------------------------------------------------------------------------------
+
+@dataclass
+class LayerCopy:
+    """One layer's share of a layer-wise load: host sources and device views in copy order; when r < R, copies
+    [0, split) put the layer's B blocks into the staging buffer and `scatter` moves them into the slot's strided
+    columns; `zero`: A of the layer's untargeted groups."""
+
+    srcs: list[torch.Tensor]
+    dsts: list[torch.Tensor]
+    split: int
+    scatter: list[tuple[torch.Tensor, torch.Tensor]]
+    zero: list[torch.Tensor]
+
+
+def header_copy(buffer: torch.Tensor, pool, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(sources, destinations) of the header: rank and scaling into the pool's per-slot entries."""
+    return ([buffer[:4], buffer[4:HEADER_BYTES]],
+            [_bytes(pool.lora_ranks[slot:slot + 1]), _bytes(pool.scalings[slot:slot + 1])])
+
+
+def layer_copies(layout: PackedLayout, buffer: torch.Tensor, pool, slot: int,
+                 staging: torch.Tensor | None) -> list[LayerCopy]:
+    """A load of `layout` into `slot`, layer by layer (every layer of the pool's spec, in order). When r < R the
+    staging buffer holds the B blocks layer-major and each block is scattered on its own (one copy per block,
+    not per group as `dest_plan` does), so that layer l is complete without waiting for later layers."""
+    spec, r, R = pool.spec, layout.rank, pool.max_rank
+    present = set(layout.keys)
+    by_layer: dict[int, list[Key]] = {}
+    for key in layout.keys:
+        by_layer.setdefault(key[0], []).append(key)
+    if r < R:
+        assert staging is not None, "an adapter below the pool's max rank needs the staging buffer"
+    plans, off = [], 0
+    for layer in range(spec.layers):
+        keys = by_layer.get(layer, [])
+        zero = [pool.lora_a[layer][g.name][slot] for g in spec.groups if (layer, g.name) not in present]
+        srcs, dsts, scatter = [], [], []
+        if r < R:
+            for key in keys:
+                out = spec.group(key[1]).out_total
+                st = staging[off:off + out * r].view(out, r)
+                off += out * r
+                srcs.append(layout.b[key].view(buffer))
+                dsts.append(_bytes(st))
+                scatter.append((pool.lora_b_stacked[key[1]][layer, slot, :, :r], st))
+        split = len(dsts)
+        for key in keys:
+            g = spec.group(key[1])
+            a_src, a_dst = layout.a[key].view(buffer), pool.lora_a[layer][key[1]][slot]
+            if r == R:
+                srcs += [a_src, layout.b[key].view(buffer)]
+                dsts += [_bytes(a_dst), _bytes(pool.lora_b[layer][key[1]][slot])]
+                continue
+            step = a_src.numel() // g.num_slices
+            srcs += [a_src[i * step:(i + 1) * step] for i in range(g.num_slices)]
+            dsts += [_bytes(a_dst[i * R:i * R + r]) for i in range(g.num_slices)]
+        plans.append(LayerCopy(srcs, dsts, split, scatter, zero))
+    return plans

@@ -34,6 +34,7 @@ from lora_kernels.adapters.h2d import batched_h2d_copy
 from lora_kernels.adapters.host_store import HostAdapterStore
 from lora_kernels.adapters.layout import PackedAdapter
 from lora_kernels.adapters.pool import GpuAdapterPool
+from lora_kernels.adapters.progress import LayerProgress
 
 _PLAN_CACHE_MAX = 512
 
@@ -121,6 +122,67 @@ class _CopyIssuer:
             done.record(side)
         return done
 
+    def issue_layered(self, slot: int, packed: PackedAdapter, waits: Iterable[torch.cuda.Event],
+                      progress: LayerProgress | None) -> tuple[torch.cuda.Event | None, list[torch.cuda.Event]]:
+        """Enqueues the load layer by layer; returns (an event before the first copy, each layer's completion event)
+        ((None, []) for a CPU pool: the copies are done). With `progress`, layer l's copy first waits on the GPU
+        for the host stage to have read layer l."""
+        staged = packed.rank < self.pool.max_rank
+        buf = 0
+        if staged and self.load_stream is not None:
+            buf, self._staging_next = self._staging_next, (self._staging_next + 1) % _STAGING_BUFFERS
+        staging = self._staging_buffer(buf, packed.rank) if staged else None
+        key = ("layers", self.pool, slot, buf)  # the pool itself: an id could be reused
+        plans = packed.plans.get(key)
+        if plans is None or plans[2] is not staging:  # views of the buffer, slot and staging: cached on the adapter
+            plans = packed.plans[key] = (lay.header_copy(packed.buffer, self.pool, slot),
+                                         lay.layer_copies(packed.blocks, packed.buffer, self.pool, slot, staging),
+                                         staging)
+        (hsrc, hdst), layers, _ = plans
+        if self.load_stream is None:
+            batched_h2d_copy(hsrc, hdst, backend=self.backend, check=False)
+            for lc in layers:
+                batched_h2d_copy(lc.srcs, lc.dsts, backend=self.backend, check=False)
+                for dst, src in lc.scatter:
+                    dst.copy_(src)
+                for t in lc.zero:
+                    t.zero_()
+            return None, []
+        stream, side, events = self.load_stream, self.scatter_stream, []
+        with torch.cuda.stream(stream):
+            for ev in waits:
+                stream.wait_event(ev)
+            if staged and self._staging_free[buf] is not None:  # the scatters that last read this buffer
+                stream.wait_event(self._staging_free[buf])
+            batched_h2d_copy(hsrc, hdst, stream, backend=self.backend, check=False)  # written before publication
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for layer, lc in enumerate(layers):
+                if progress is not None and progress.count <= layer:
+                    progress.wait_on_stream(layer, stream)
+                batched_h2d_copy(lc.srcs[:lc.split], lc.dsts[:lc.split], stream, backend=self.backend, check=False)
+                if staged:
+                    b_done = torch.cuda.Event()
+                    b_done.record(stream)
+                batched_h2d_copy(lc.srcs[lc.split:], lc.dsts[lc.split:], stream, backend=self.backend, check=False)
+                for t in lc.zero:
+                    t.zero_()
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(stream)
+                if staged:  # the layer ends on the side stream, after its scatters and its A copies
+                    with torch.cuda.stream(side):
+                        side.wait_event(b_done)
+                        for dst, src in lc.scatter:
+                            dst.copy_(src)
+                        side.wait_event(done)
+                        done = torch.cuda.Event(enable_timing=True)
+                        done.record(side)
+                events.append(done)
+        if staged:
+            staging.record_stream(side)
+            self._staging_free[buf] = events[-1]
+        return start, events
+
     @staticmethod
     def _scatter_and_zero(plan: lay.DestPlan) -> None:
         for dst, src in plan.scatter:
@@ -157,6 +219,10 @@ class _SlotTable:
         self._free = list(range(n - 1, -1, -1))
         self._load_event: list[torch.cuda.Event | None] = [None] * n
         self._load_src: list[PackedAdapter | None] = [None] * n  # kept alive until its copies complete
+        self._layer_events: list[list[torch.cuda.Event] | None] = [None] * n  # a layer-wise load's, per layer
+        self._load_progress: list[LayerProgress | None] = [None] * n  # its host stage (the GPU polls its flag)
+        self._failed: dict[Hashable, BaseException] = {}  # layer-wise loads whose host stage failed after issue
+        self._drop_on_release: set[int] = set()  # failed slots still acquired by a batch
         self._release_events: list[dict[int, torch.cuda.Event]] = [{} for _ in range(n)]
         self._pending: set[int] = set()  # slots whose load event has not been seen complete
         self.stats = {"loads": 0, "evictions": 0, "bytes": 0, "stall_events": 0, "hits": 0}
@@ -182,8 +248,35 @@ class _SlotTable:
             return True
         self._load_event[slot] = None
         self._load_src[slot] = None
+        self._layer_events[slot] = None
+        progress, self._load_progress[slot] = self._load_progress[slot], None
         self._pending.discard(slot)
+        if progress is not None and progress.failed:
+            self._fail_slot(slot, progress.error)
         return False
+
+    def _fail_slot(self, slot: int, error: BaseException | None) -> None:
+        """A layer-wise load whose host stage failed after its copies were queued: the slot holds garbage. The
+        adapter leaves the table (now, or at the release of the batches that hold it) and its error is kept for
+        `take_failures`: the engine fails the requests that used it; a later load reads the folder again."""
+        aid = self._id_of[slot]
+        self._failed[aid] = error if error is not None else RuntimeError(f"host stage of {aid!r} failed")
+        self._drop_on_release.add(slot)  # forgotten by `_reap` or `release` (never while the table is iterated)
+
+    def _forget(self, slot: int) -> None:
+        aid = self._id_of[slot]
+        if aid is not None and self._slot_of.get(aid) == slot:
+            del self._slot_of[aid]
+        self._id_of[slot] = None
+        self._drop_on_release.discard(slot)
+        self._free.append(slot)
+
+    def take_failures(self) -> dict[Hashable, BaseException]:
+        """Adapters whose layer-wise load failed since the last call (id -> the host stage's error); every request
+        that used one in a batch must be failed (its rows hold garbage; other rows are exact)."""
+        self._reap()
+        failed, self._failed = self._failed, {}
+        return failed
 
     def loading_ids(self) -> list[Hashable]:
         return [a for a, s in self._slot_of.items() if self.is_loading(s)]
@@ -193,12 +286,17 @@ class _SlotTable:
         slot = self._slot_of.get(adapter_id)
         return None if slot is None or not self.is_loading(slot) else self._load_event[slot]
 
+    def layer_events(self, adapter_id: Hashable) -> list[torch.cuda.Event] | None:
+        """Each layer's completion event (timing enabled) of a layer-wise load in flight, else None."""
+        slot = self._slot_of.get(adapter_id)
+        return None if slot is None or not self.is_loading(slot) else self._layer_events[slot]
+
     def in_use_ids(self) -> list[Hashable]:
         return [a for a, s in self._slot_of.items() if self._refs[s] > 0]
 
     def is_ready(self, adapter_id: Hashable) -> bool:
         slot = self._slot_of.get(adapter_id)
-        return slot is not None and not self.is_loading(slot)
+        return slot is not None and not self.is_loading(slot) and slot not in self._drop_on_release
 
     def free_or_evictable(self) -> int:
         """Slots a load could take now."""
@@ -216,6 +314,7 @@ class _SlotTable:
             raise RuntimeError(f"cannot unload adapter {adapter_id!r}: it is acquired or still loading")
         del self._slot_of[adapter_id]
         self._id_of[slot] = None
+        self._drop_on_release.discard(slot)
         self._free.append(slot)
 
     def _take_slot(self, adapter_id: Hashable, victim: Hashable | None) -> int:
@@ -240,9 +339,12 @@ class _SlotTable:
                            f"still loading")
 
     def _reap(self) -> None:
-        """Drops the references of loads that completed (event queries, never a wait)."""
+        """Drops the references of loads that completed (event queries, never a wait) and the failed loads that no
+        batch holds."""
         for slot in list(self._pending):
             self.is_loading(slot)
+        for slot in [s for s in self._drop_on_release if self._refs[s] == 0]:
+            self._forget(slot)
 
 
 class AdapterLoader(_SlotTable):
@@ -252,14 +354,21 @@ class AdapterLoader(_SlotTable):
     that a bounded store spends its memory on adapters the GPU does not hold (a victim cache: with as much host
     memory as slots, up to twice the adapters stay a copy away instead of a folder read). False keeps the
     store's plain LRU order.
+
+    layerwise (default False): loads are copied layer by layer, with an event per layer, and
+    `acquire(ids, layerwise=True)` + `wait_layer(l)` let a batch start while its adapters' later layers are
+    still copying. A load given a host stage still in flight (`load_async(..., progress=...)`) is always
+    layer-wise: its copies are queued at once and each waits on the GPU for its layer's bytes.
     """
 
     def __init__(self, pool: GpuAdapterPool, store: HostAdapterStore, load_stream: torch.cuda.Stream | None = None,
-                 backend: str = "auto", host_exclusive: bool = True):
+                 backend: str = "auto", host_exclusive: bool = True, layerwise: bool = False):
         if store.spec != pool.spec or store.dtype != pool.dtype:
             raise ValueError(f"store ({store.spec}, {store.dtype}) and pool ({pool.spec}, {pool.dtype}) differ "
                              f"(under tensor parallelism both take this rank's tp_rank, tp_size)")
         self.pool, self.store, self.backend, self.host_exclusive = pool, store, backend, host_exclusive
+        self.layerwise = layerwise
+        self._batch_layers: list[list[torch.cuda.Event]] = []  # the last layer-wise acquire's loads in flight
         self.is_cuda = pool.device.type == "cuda"
         self.load_stream = None
         if self.is_cuda:
@@ -272,16 +381,20 @@ class AdapterLoader(_SlotTable):
     # -- loading -------------------------------------------------------------------------------------------
 
     def load_async(self, adapter_id: Hashable, victim: Hashable | None = None,
-                   packed: PackedAdapter | None = None) -> int:
+                   packed: PackedAdapter | None = None, progress: LayerProgress | None = None) -> int:
         """The adapter's slot, starting its load on the load stream if it is not resident.
 
         victim: a resident adapter to replace (a prefetch plan's choice; it must be evictable); by
         default a free slot, else the least recently used evictable one. packed: the adapter's host
         buffer when a host stage already produced it (`HostStager`); by default `store.get`, which
-        reads and packs a cold adapter's folder here, on the caller's thread. Raises RuntimeError
-        when no slot can be taken (every slot acquired or still loading, or `victim` is not
-        evictable), KeyError when the store does not know the adapter, ValueError when its rank
-        exceeds the pool's max rank or `packed` is another adapter's.
+        reads and packs a cold adapter's folder here, on the caller's thread. progress: the
+        `LayerProgress` of a host stage still reading the adapter (`HostStage.progress`, published:
+        its buffer is `packed` by default); the copies are queued now, each layer's waiting on the GPU
+        for its bytes (a GPU pool needs the extension's stream wait). Raises RuntimeError when no slot
+        can be taken (every slot acquired or still loading, or `victim` is not evictable), KeyError
+        when the store does not know the adapter, ValueError when its rank exceeds the pool's max rank,
+        `packed` is another adapter's or `progress` has not published its buffer, and the host
+        stage's own error when `progress` has already failed.
         """
         slot = self._slot_of.get(adapter_id)
         if slot is not None:
@@ -289,6 +402,12 @@ class AdapterLoader(_SlotTable):
             self.stats["hits"] += 1
             return slot
         self._reap()
+        if progress is not None:
+            if progress.failed:
+                raise progress.error or RuntimeError(f"host stage of adapter {adapter_id!r} failed")
+            if not progress.published():
+                raise ValueError(f"progress of adapter {adapter_id!r} has not published its buffer yet")
+            packed = packed or progress.packed
         if packed is None:
             packed = self.store.get(adapter_id)
         elif packed.adapter_id != adapter_id or packed.dtype != self.pool.dtype:
@@ -298,17 +417,25 @@ class AdapterLoader(_SlotTable):
             raise ValueError(f"adapter {adapter_id!r} has rank {packed.rank}, above the pool's max rank "
                              f"{self.pool.max_rank}")
         slot = self._take_slot(adapter_id, victim)
-        self._issue(slot, packed)
+        self._drop_on_release.discard(slot)  # an evicted failed load: its slot is this adapter's now
+        self._issue(slot, packed, progress)
         if self.host_exclusive:
             self.store.demote(adapter_id)
         self._slot_of[adapter_id] = slot
         self._id_of[slot] = adapter_id
         return slot
 
-    def _issue(self, slot: int, packed: PackedAdapter) -> None:
+    def _issue(self, slot: int, packed: PackedAdapter, progress: LayerProgress | None = None) -> None:
         waits = list(self._release_events[slot].values())
         self._release_events[slot].clear()
-        ev = self._issuer.issue(slot, packed, waits)
+        if self.layerwise or progress is not None:
+            _, layers = self._issuer.issue_layered(slot, packed, waits, progress)
+            ev = layers[-1] if layers else None
+            if ev is not None:
+                self._layer_events[slot] = layers
+                self._load_progress[slot] = progress
+        else:
+            ev = self._issuer.issue(slot, packed, waits)
         if ev is not None:
             self._load_event[slot] = ev
             self._load_src[slot] = packed  # the pinned source stays alive until the copies complete
@@ -326,13 +453,17 @@ class AdapterLoader(_SlotTable):
 
     # -- batches -------------------------------------------------------------------------------------------
 
-    def acquire(self, adapter_ids: Iterable[Hashable | None]) -> list[int]:
+    def acquire(self, adapter_ids: Iterable[Hashable | None], layerwise: bool = False) -> list[int]:
         """Slots for a batch (None -> -1, no LoRA), loading what is missing; pins them until `release`.
 
         The current stream waits (on the GPU) for loads still in flight; the host does not block.
+        layerwise: it does not; the caller must call `wait_layer(l)` before the batch's first kernel that
+        reads layer l (a load that is not layer-wise is waited for whole, here).
         Each id counts once per occurrence; release the same list after the batch is enqueued.
         """
         ids = list(adapter_ids)
+        if self._drop_on_release:
+            self._reap()  # a failed layer-wise load is never handed out again
         slots: list[int | None] = [None] * len(ids)
         pinned: list[int] = []
         try:
@@ -359,13 +490,26 @@ class AdapterLoader(_SlotTable):
             for s in pinned:
                 self._refs[s] -= 1
             raise
+        self._batch_layers = []
         if self.is_cuda:
             stream = torch.cuda.current_stream(self.pool.device)
             for s in set(pinned):
                 if self.is_loading(s):
-                    stream.wait_event(self._load_event[s])
+                    if layerwise and self._layer_events[s] is not None:
+                        self._batch_layers.append(self._layer_events[s])
+                    else:
+                        stream.wait_event(self._load_event[s])
                     self.stats["stall_events"] += 1
         return slots  # type: ignore[return-value]
+
+    def wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """`stream` (default: the current one) waits, on the GPU, for layer `layer` of the loads the last
+        `acquire(..., layerwise=True)` found in flight."""
+        if not self._batch_layers:
+            return
+        stream = stream or torch.cuda.current_stream(self.pool.device)
+        for events in self._batch_layers:
+            stream.wait_event(events[layer])
 
     def release(self, adapter_ids: Iterable[Hashable | None]) -> None:
         """Ends a batch's use of its adapters; their slots' next load waits for the current stream's work so far."""
@@ -387,3 +531,5 @@ class AdapterLoader(_SlotTable):
             self._refs[s] -= 1
             if ev is not None:
                 self._release_events[s][stream.cuda_stream] = ev
+            if self._refs[s] == 0 and s in self._drop_on_release:
+                self._forget(s)

@@ -27,8 +27,10 @@ from the allocator's cache, and one `pread` per tensor.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ from lora_kernels.adapters import layout as lay
 from lora_kernels.adapters import tp as _tp
 from lora_kernels.adapters.layout import PackedAdapter, alloc_buffer, wrap_buffer
 from lora_kernels.adapters.peft import AdapterFormatError, AdapterPlan, ModuleRead, plan_peft_adapter
+from lora_kernels.adapters.progress import LayerProgress
 from lora_kernels.adapters.spec import ModelSpec
 
 _PARALLEL_MIN_BYTES = 8 << 20  # below this one thread is as fast (thread hand-off costs ~50 µs)
@@ -63,14 +66,19 @@ def planned_nbytes(plan: AdapterPlan, spec: ModelSpec, dtype: torch.dtype, pin: 
 
 def read_packed(adapter_id: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype, *, pin: bool,
                 max_rank: int | None = None, check_finite: bool = False, read_threads: int = 4,
-                plan: AdapterPlan | None = None) -> PackedAdapter:
+                plan: AdapterPlan | None = None, progress: LayerProgress | None = None) -> PackedAdapter:
     """Reads the PEFT folder `path` into a packed buffer (see the module docstring). Raises AdapterFormatError
-    naming the adapter's file (and tensor) when the folder is missing, truncated or inconsistent."""
+    naming the adapter's file (and tensor) when the folder is missing, truncated or inconsistent.
+
+    progress: publish the buffer before it is filled and report each layer as it lands (`progress.py`); the
+    caller marks it failed if this raises."""
     plan = plan or plan_peft_adapter(path, _tp.full_spec(spec), max_rank=max_rank)  # a TP shard: the full model
     blocks = lay.packed_layout(spec, plan.rank, plan.keys, dtype.itemsize)
     buf = alloc_buffer(blocks.nbytes, pin)
     packed = wrap_buffer(adapter_id, blocks, buf, plan.scaling, dtype, pin)
-    err = _fill(plan, spec, packed, dtype, read_threads, check_finite)
+    if progress is not None:
+        progress.publish(packed)
+    err = _fill(plan, spec, packed, dtype, read_threads, check_finite, progress)
     if err is not None:
         del packed, buf  # the buffer goes back to the allocator now, not when the caller drops the error
         raise err
@@ -89,6 +97,18 @@ class _ReadPlan:
     dup: list[tuple[int, int, int]] = field(default_factory=list)
     zero: list[tuple[int, int]] = field(default_factory=list)
     staged: list[tuple[ModuleRead, bool]] = field(default_factory=list)  # (module, A?) read via a temporary
+    by_layer: list[tuple[int, int, int, int]] | None = None  # direct as (layer, file offset, buffer offset, bytes)
+
+
+def _direct_by_layer(rp: _ReadPlan, blocks: lay.PackedLayout) -> list[tuple[int, int, int, int]]:
+    """rp.direct in layer order (file order within a layer), each read tagged with the layer whose block it fills
+    (blocks lie in pool order, layer-major, so a buffer offset names its layer)."""
+    if rp.by_layer is None:
+        starts = sorted((blocks.a[key].offset, key[0]) for key in blocks.keys)
+        offs = [o for o, _ in starts]
+        tagged = [(starts[bisect.bisect_right(offs, o) - 1][1], f, o, n) for f, o, n in rp.direct]
+        rp.by_layer = sorted(tagged)
+    return rp.by_layer
 
 
 def _read_plan(plan: AdapterPlan, spec: ModelSpec, blocks: lay.PackedLayout, dtype: torch.dtype) -> _ReadPlan:
@@ -139,7 +159,7 @@ def zero_missing_slices(rp: _ReadPlan, plan: AdapterPlan, spec: ModelSpec, block
 
 
 def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torch.dtype, read_threads: int,
-          check_finite: bool) -> AdapterFormatError | None:
+          check_finite: bool, progress: LayerProgress | None = None) -> AdapterFormatError | None:
     """Reads the file into the packed buffer; returns (not raises) a format error, stripped of its traceback
     and context: a traceback keeps every frame's locals alive, here the memoryviews of the pinned buffer,
     for as long as the error lives (a failed host stage's future holds it)."""
@@ -153,8 +173,12 @@ def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torc
             fd = os.open(plan.weights_path, os.O_RDONLY)
         except OSError as e:
             raise AdapterFormatError(f"{plan.weights_path}: cannot open ({e.strerror})") from None
+        by_layer = progress is not None and not (rp.dup or rp.staged or check_finite)
         try:
-            _pread_all(fd, [(f, mv[o:o + n]) for f, o, n in rp.direct], plan.weights_path, read_threads)
+            if by_layer:
+                _pread_layers(fd, _direct_by_layer(rp, packed.blocks), mv, plan.weights_path, read_threads, progress)
+            else:
+                _pread_all(fd, [(f, mv[o:o + n]) for f, o, n in rp.direct], plan.weights_path, read_threads)
             for m, is_a in rp.staged:
                 _read_staged(fd, plan, spec, packed, dtype, m, is_a)
         finally:
@@ -163,10 +187,37 @@ def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torc
             arr[dst:dst + n] = arr[src:src + n]
         if check_finite:
             _check_finite(plan, packed, dtype)
+        if progress is not None:
+            progress.complete()  # a read with a second pass: every layer at once, now
     except AdapterFormatError as e:
         e.__traceback__ = e.__context__ = e.__cause__ = None
         return e
     return None
+
+
+def _pread_layers(fd: int, reads: list[tuple[int, int, int, int]], mv: memoryview, path: Path, threads: int,
+                  progress: LayerProgress) -> None:
+    """The direct reads layer by layer, every thread on the same layer, reporting each complete layer."""
+    layers = progress.layers
+    if _native_pread_layers is not None:
+        jobs = [(f, mv[o:o + n]) for _, f, o, n in reads]
+        failed, times = _native_pread_layers(fd, jobs, [lay_ for lay_, _, _, _ in reads], layers,
+                                             max(1, threads), progress.flag.numpy())
+        progress.record(times)
+        if failed is not None:
+            i, at, err = failed
+            raise _read_error(path, at, err, jobs[i][0] + jobs[i][1].nbytes)
+        return
+    k = 0
+    for layer in range(layers):
+        jobs = []
+        while k < len(reads) and reads[k][0] == layer:
+            _, f, o, n = reads[k]
+            jobs.append((f, mv[o:o + n]))
+            k += 1
+        if jobs:
+            _pread_all(fd, jobs, path, threads)
+        progress.reached(layer + 1, time.monotonic())
 
 
 def _read_staged(fd: int, plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torch.dtype,
@@ -225,8 +276,9 @@ def _pread_all(fd: int, jobs: list[tuple[int, memoryview]], path: Path, threads:
 
 try:  # the extension's reader: every read of a job list with the GIL released (csrc/host/file_reads.cpp)
     from lora_kernels._C import pread_into as _pread_into
+    from lora_kernels._C import pread_layers as _native_pread_layers
 except ImportError:
-    _pread_into = None
+    _pread_into = _native_pread_layers = None
 
 
 def _read_error(path: Path, at: int, err: int, end: int) -> AdapterFormatError:

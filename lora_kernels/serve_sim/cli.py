@@ -71,6 +71,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
            "picture of one run per popularity beside it (matplotlib)")
     a("--tp", type=int, default=1, help="tensor-parallel ranks: start with torchrun --nproc-per-node N; each rank "
                                         "runs its shard of the base layers and adapters, rank 0 prints")
+    a("--no-layerwise", action="store_true",
+      help="load each adapter whole: a step waits for its adapters' last layer (default: layer by layer)")
     a("--no-progress", action="store_true")
     p.set_defaults(func=serve_sim)
     return p
@@ -95,7 +97,8 @@ def _config(args):
                      policies=policies, dtype=args.dtype,
                      device=args.device, backend=args.backend, adapter_dir=args.adapter_dir,
                      cache_dir=args.cache_dir, seed=args.seed, check=not args.no_check,
-                     check_backends=tuple(b.strip() for b in args.check_backends.split(",")), tp=args.tp)
+                     check_backends=tuple(b.strip() for b in args.check_backends.split(",")), tp=args.tp,
+                     layerwise=not args.no_layerwise)
 
 
 def _print_header(rep) -> None:

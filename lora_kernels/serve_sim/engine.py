@@ -11,6 +11,12 @@ issued through `AdapterLoader.load_async(packed=...)` in issue order, once the h
 the next step is queued (the scheduler has already placed the load in simulated time; waiting here for
 a read is real time only, never on the clock).
 
+Layer-wise (`layerwise=True`): the host stage reports each layer as it lands (`HostStager(layerwise=True)`),
+the copy is issued layer by layer with an event per layer, and a step acquires its adapters without waiting
+for their loads, waiting on the GPU before each layer for that layer's copy (`acquire(..., layerwise=True)`,
+`wait_layer`). `load_seconds` reports the per-layer host and copy times, which the simulator places layer by
+layer. In real time the engine still issues a load's copies once its host stage is done, as above.
+
 `timed_layers` (None: all) runs only the last k of the model's L layers in each step and charges the
 measured time x L/k: every layer has the same shapes and kernels, so this estimates the full step in k/L
 of the device time (the bench reports how close the estimate is, step by step, against all L layers).
@@ -62,13 +68,13 @@ def parse_host_budget(spec: str) -> tuple[str, float]:
                      f"as 512MB or 2GB, got {spec!r}")
 
 
-def make_stager(store: HostAdapterStore, workers: int) -> tuple[HostStager, int]:
+def make_stager(store: HostAdapterStore, workers: int, layerwise: bool = False) -> tuple[HostStager, int]:
     """A `HostStager` with `workers` threads where its constructor takes a worker count; returns (stager, the
     threads it really runs), read back from the stager so that the simulator places host stages on as many
     simulated workers as ran them."""
     params = inspect.signature(HostStager).parameters
     name = next((n for n in ("workers", "num_workers", "max_workers") if n in params), None)
-    stager = HostStager(store, **({name: workers} if name else {}))
+    stager = HostStager(store, **({name: workers} if name else {}), **({"layerwise": True} if layerwise else {}))
     for attr in ("workers", "num_workers", "max_workers"):
         value = getattr(stager, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
@@ -82,7 +88,7 @@ class _Load:
     key: str
     victim: str | None
     stage: HostStage
-    h2d: object = None  # CPU: measured seconds; CUDA: (start, end) events on the load stream
+    h2d: object = None  # CPU: measured seconds; CUDA: (start, end, layer events or None) on the load stream
 
 
 class ModelEngine:
@@ -90,7 +96,7 @@ class ModelEngine:
                  dtype: torch.dtype, device: torch.device, backend: str | None, max_tokens: int, max_segments: int,
                  vocab: int = 4096, seed: int = 0, record: Records | None = None, host_budget: str = "all",
                  host_workers: int | None = None, timed_layers: int | None = None, tp_rank: int = 0,
-                 tp_size: int = 1):
+                 tp_size: int = 1, layerwise: bool = False):
         self.spec, self.dtype, self.device, self.backend = spec, dtype, torch.device(device), backend
         self.max_tokens, self.record = max_tokens, record
         self.is_cuda = self.device.type == "cuda"
@@ -98,11 +104,14 @@ class ModelEngine:
         self._index = {key: k for k, key in enumerate(self.keys)}
         # Tensor parallelism (--tp): this rank's shard of the adapters and of the base layers (adapters/tp.py).
         self.tp_size = tp_size
+        if layerwise and tp_size > 1:
+            raise ValueError("layer-wise loads are not supported under tensor parallelism (tp_size > 1)")
+        self.layerwise = layerwise
         self.store = HostAdapterStore(spec, dtype, pin=self.is_cuda, max_rank=max_rank, tp_rank=tp_rank,
                                       tp_size=tp_size)
         self._init_host_tier(adapter_dirs, host_budget)
         workers = host_workers if host_workers is not None else min(4, os.cpu_count() or 1)
-        self.stager, self.host_workers = make_stager(self.store, workers)
+        self.stager, self.host_workers = make_stager(self.store, workers, layerwise)
         self._queued: list[_Load] = []  # loads whose copy is not issued yet, in issue order
         self.pool = GpuAdapterPool(spec, num_slots, max_rank, dtype, self.device, tp_rank=tp_rank, tp_size=tp_size)
         self.builder = BatchInfoBuilder(max_tokens, max_segments, self.pool.lora_ranks, self.pool.scalings)
@@ -153,7 +162,7 @@ class ModelEngine:
         if self.host_tier:  # every policy starts with an empty host tier, as with an empty GPU pool
             for key in self.store.packed_ids():
                 self.store.drop(key)
-        self.loader = AdapterLoader(self.pool, self.store)
+        self.loader = AdapterLoader(self.pool, self.store, layerwise=self.layerwise)
         self._queued.clear()
         self.timer.reset()
         self.steps = 0
@@ -176,16 +185,22 @@ class ModelEngine:
     def load_seconds(self, handle) -> LoadTiming:
         if isinstance(handle, HostStage):
             handle.result()
-            return LoadTiming(*agree_max(handle.seconds, 0.0), handle.cold)
+            return LoadTiming(*agree_max(handle.seconds, 0.0), handle.cold, handle.layer_seconds)
         if handle.h2d is None:  # loads issued in an iteration without a step
             self._issue_queued(0.0)
+        layers = None
         if self.is_cuda:
-            e0, e1 = handle.h2d
+            e0, e1, evs = handle.h2d
             e1.synchronize()
             h2d_s = e0.elapsed_time(e1) * 1e-3
+            if evs:  # a layer-wise load: each layer's span, back to back from the load's start
+                layers = tuple(a.elapsed_time(b) * 1e-3 for a, b in zip([e0, *evs[:-1]], evs))
         else:
             h2d_s = handle.h2d
-        return LoadTiming(*agree_max(handle.stage.seconds, h2d_s), handle.stage.cold)
+            if self.layerwise:  # synchronous copies: the CPU time split evenly over the layers
+                layers = (h2d_s / self.spec.layers,) * self.spec.layers
+        host_layers = handle.stage.layer_seconds if self.layerwise else None
+        return LoadTiming(*agree_max(handle.stage.seconds, h2d_s), handle.stage.cold, host_layers, layers)
 
     def _issue_queued(self, gate_s: float):
         """Issues the copies of the queued loads, in issue order, once their host stages are done; on CUDA
@@ -205,10 +220,11 @@ class ModelEngine:
             e0.record(stream)
             self.loader.load_async(load.key, victim=load.victim, packed=p)
             e1 = self.loader.load_event(load.key)  # the load's end (after its B scatter when r < R)
+            evs = self.loader.layer_events(load.key)
             if e1 is None:  # already complete: nothing was copied
                 e1 = torch.cuda.Event(enable_timing=True)
                 e1.record(stream)
-            load.h2d = (e0, e1)
+            load.h2d = (e0, e1, evs)
         if gate is not None and gate[0].query():  # the GPU passed the gate before the copies were queued
             self.timer.unfed_loads += 1
         self._queued.clear()
@@ -220,16 +236,19 @@ class ModelEngine:
         if self.is_cuda and gate is None:
             gate = self.timer.open(self.timer.length(), self.loader.load_stream)
         keys = [None if r.adapter is None else self.keys[r.adapter] for r, _ in plan.batch]
-        slots = self.loader.acquire(keys)
+        slots = self.loader.acquire(keys, layerwise=self.layerwise)
         info = self.builder.build([n for _, n in plan.batch], slots)
         ids = torch.from_numpy(np.concatenate([r.req.tokens[r.pos:r.pos + n] for r, n in plan.batch]))
         if self.is_cuda:
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         prep_s = time.perf_counter() - t_prep
         layers = self.spec.layers if self.timed_layers is None else min(self.timed_layers, self.spec.layers)
-        compute_s, _ = self.timer.timed(lambda: self.model.forward(ids, info, self.pool, layers), gate,
+        wait = self.loader.wait_layer if self.layerwise else None
+        compute_s, _ = self.timer.timed(lambda: self.model.forward(ids, info, self.pool, layers, wait), gate,
                                         self.loader.load_stream if self.is_cuda else None)
         compute_s *= self.spec.layers / layers
+        if self.layerwise:
+            self.loader.wait_layer(0)  # the record below reads layer 0, which a timed-layers step may not have
         self.loader.release(keys)  # after the last forward that reads the slots
         self.steps += 1
         if self.record is not None:  # after the timed step, outside the clock

@@ -41,14 +41,18 @@ class LinearStack:
         apply_lora(x, out, a, b, info, offs, backend=self.backend)
         return out
 
-    def forward(self, ids: torch.Tensor, info, pool: GpuAdapterPool, layers: int | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, info, pool: GpuAdapterPool, layers: int | None = None,
+                before_layer=None) -> torch.Tensor:
         """The hidden states after every layer for token ids `ids` (one per row). With `layers` = k below the
         model's L, only the last k layers run, on the embeddings (a step-time sample: layer 0 alone would
-        lack the input norm that every other layer has)."""
+        lack the input norm that every other layer has). before_layer(l) runs before layer l's first kernel
+        (a layer-wise loader's `wait_layer`)."""
         h = self.embed[ids]
         inter = self.spec.intermediate
         total = self.spec.layers
         for layer in range(total) if layers is None or layers >= total else range(total - layers, total):
+            if before_layer is not None:
+                before_layer(layer)
             x = h if layer == 0 else self._rms(h)
             qkv = self._linear(pool, layer, "qkv_proj", x, info)
             h = h + self._linear(pool, layer, "o_proj", qkv[:, : self.q_dim].contiguous(), info)

@@ -80,6 +80,9 @@ class SimConfig:
     host_workers: int | None = None  # host-stage threads (None: min(4, cores) where the stager takes a count)
     timed_layers: int | None = None  # run and time only this many layers per step, charged x layers/timed
     tp: int = 1  # tensor-parallel ranks (torchrun): each runs its shard of base layers and adapters (adapters/tp.py)
+    # Layer-wise loads: the host stage reports each layer, its copy is issued per layer, and a step may start
+    # before an adapter's last layers are in place, waiting on the GPU at each layer (off under --tp).
+    layerwise: bool = True
 
     def dist_list(self) -> tuple[str, ...]:
         return tuple(d.strip() for d in self.dist.split(","))
@@ -196,7 +199,8 @@ def make_engine(cfg: SimConfig, paths: list[Path]) -> ModelEngine:
     return ModelEngine(cfg.spec(), paths, num_slots=cfg.slots, max_rank=cfg.max_rank, dtype=DTYPES[cfg.dtype],
                        device=torch.device(cfg.device), backend=cfg.backend, max_tokens=cfg.max_batch_tokens,
                        max_segments=cfg.max_running, seed=cfg.seed, host_budget=cfg.host_budget,
-                       host_workers=cfg.host_workers, timed_layers=cfg.timed_layers, tp_rank=tp_rank, tp_size=cfg.tp)
+                       host_workers=cfg.host_workers, timed_layers=cfg.timed_layers, tp_rank=tp_rank, tp_size=cfg.tp,
+                       layerwise=cfg.layerwise and cfg.tp == 1)
 
 
 def scheduler_config(cfg: SimConfig, policy: str) -> SchedulerConfig:

@@ -99,20 +99,62 @@ class AdapterState:
     def __init__(self, num_slots: int, host_capacity: float | None = None, host_bytes=()):
         self.num_slots = num_slots
         self.ready_at: dict = {}
+        self.layers_at: dict = {}  # layer-wise loads: when each layer is in place (ready_at: when a step may start)
+        self.walks: dict[int, float] = {}  # shortest measured step per row bucket (powers of two): see `walk`
         self.lru: OrderedDict = OrderedDict()
         self.host: set | None = None
         self.host_capacity, self.host_bytes = host_capacity, host_bytes
 
-    def is_ready(self, a, now: float) -> bool:
+    def is_ready(self, a, now: float, rows: int = 0) -> bool:
+        """True if a step of at least `rows` rows starting at `now` may use adapter `a`: its load is done, or it is
+        a layer-wise load whose every layer is in place when a step of that size reaches it."""
         t = self.ready_at.get(a, float("inf"))
-        return t is not None and t <= now
+        if t is not None and t <= now:
+            return True
+        layers = self.layers_at.get(a)
+        if t is None or layers is None or layers[0] > now:
+            return False
+        walk, n = self.walk(rows), len(layers)
+        return all(t_l <= now + i / n * walk for i, t_l in enumerate(layers))
+
+    def observe_step(self, rows: int, compute_s: float) -> None:
+        b = max(rows, 1).bit_length() - 1
+        self.walks[b] = min(self.walks.get(b, compute_s), compute_s)
+
+    def walk(self, rows: int) -> float:
+        """A measured lower bound on a step of `rows` rows or more: the largest of the shortest steps seen in the
+        row buckets below it (steps grow with their rows; a wrong guess is charged exactly by `step_end`)."""
+        top = max(rows, 1).bit_length() - 1
+        return max((s for b, s in self.walks.items() if b < top), default=0.0)
 
     def loading(self, now: float) -> set:
         return {a for a, t in self.ready_at.items() if t is None or t > now}
 
+    def set_ready(self, a, layers: list[float], walk_s: float) -> None:
+        """Places a measured load: `layers` holds when each of its layers is in place (one entry: the whole
+        adapter). A step that reaches layer l of L no sooner than l/L of `walk_s` after it starts (the shortest
+        step so far) may start once every layer is in place by then; `step_end` charges any layer still late."""
+        n = len(layers)
+        self.ready_at[a] = max(t - i / n * walk_s for i, t in enumerate(layers))
+        if n > 1:
+            self.layers_at[a] = layers
+        else:
+            self.layers_at.pop(a, None)
+
+    def step_end(self, start: float, compute_s: float, adapters) -> float:
+        """When a step of `compute_s` that starts at `start` ends, if it stops at each layer whose load is late."""
+        end = start + compute_s
+        for a in adapters:
+            layers = self.layers_at.get(a)
+            if layers is not None and layers[-1] > start:
+                n = len(layers)
+                end = max([end] + [t + (n - i) / n * compute_s for i, t in enumerate(layers)])
+        return end
+
     def start_load(self, a, victim) -> None:
         if victim is not None:
             del self.ready_at[victim]
+            self.layers_at.pop(victim, None)
             self.lru.pop(victim, None)
         if len(self.ready_at) >= self.num_slots:
             raise RuntimeError(f"load of {a!r} without a free slot ({len(self.ready_at)} resident)")
@@ -198,7 +240,7 @@ class Scheduler:
             if on_demand:
                 virt_budget, virt_seats = virt_budget - n, virt_seats - 1
             a = r.adapter
-            ok = a is None or cache.is_ready(a, now)
+            ok = a is None or cache.is_ready(a, now, cfg.max_batch_tokens - budget + n)
             if not ok and a in cache.ready_at:
                 # Loading. Blocking: a load issued earlier in this step, which the step waits for
                 # anyway. Overlap: the overlap rule keeps the request waiting.

@@ -47,6 +47,10 @@ class LoadTiming:
     host_s: float  # wall time of the host stage this load or stage started (0.0: host memory had the adapter)
     h2d_s: float  # measured copy time (0.0 for a host-only stage)
     cold: bool  # this load or stage read the adapter's folder
+    # Layer-wise loads (None: the adapter is one unit): when each layer's host part was done, seconds from the
+    # host stage's start (non-decreasing, the last is host_s; None when not cold), and each layer's copy time.
+    host_layers: tuple[float, ...] | None = None
+    h2d_layers: tuple[float, ...] | None = None
 
 
 class Engine(Protocol):
@@ -103,6 +107,7 @@ class _Resources:
         self.copy_free = 0.0
         self.host_done: dict = {}  # adapter -> simulated end of the host stage that last read it
         self.pending: list = []  # (adapter, handle, issue time, is a GPU load) of loads/stages not yet measured
+        self.walk_s = 0.0  # the shortest step so far: a layer-wise load's step may start before its last layer
 
     def issue(self, plan: StepPlan, at: float) -> None:
         for a, v in plan.loads:
@@ -114,9 +119,11 @@ class _Resources:
 
     def settle(self) -> None:
         """Measures the pending loads and stages and places them: host stages FIFO in issue order on the
-        first free worker, then copies FIFO on the copy engine in the order their host stages end. The
-        oracle's run really but take no simulated time."""
+        first free worker, then copies FIFO on the copy engine in the order their host stages end (a
+        layer-wise load: its layers' copies back to back, each after its layer's host part). The oracle's
+        run really but take no simulated time."""
         res, timed = self.res, [(a, self.engine.load_seconds(h), t, is_load) for a, h, t, is_load in self.pending]
+        host_layers: dict = {}  # adapter -> simulated end of each layer's host part, for this round's cold reads
         for a, t, issued, is_load in timed:
             if not t.cold:
                 continue
@@ -128,15 +135,28 @@ class _Resources:
             end = start if self.free else start + t.host_s
             self.workers[k] = max(self.workers[k], end)
             self.host_done[a] = end
+            if t.host_layers is not None:
+                host_layers[a] = [start if self.free else start + x for x in t.host_layers]
             res.timeline.append(("host", start, end, "read"))
-        loads = sorted((max(issued, self.host_done.get(a, issued)), i, a, t)
-                       for i, (a, t, issued, is_load) in enumerate(timed) if is_load)
-        for ready, _, a, t in loads:
-            start = ready if self.free else max(ready, self.copy_free)
-            end = start if self.free else start + t.h2d_s
-            self.copy_free = max(self.copy_free, end)
-            self.cache.ready_at[a] = end
-            res.timeline.append(("copy", start, end, "load"))
+        loads = []
+        for i, (a, t, issued, is_load) in enumerate(timed):
+            if is_load:
+                whole = max(issued, self.host_done.get(a, issued))
+                layered = t.h2d_layers is not None
+                hosts = [max(issued, h) for h in host_layers[a]] if layered and a in host_layers else None
+                if layered and hosts is None:
+                    hosts = [whole] * len(t.h2d_layers)
+                loads.append((hosts[0] if layered else whole, i, a, t, hosts))
+        for first, _, a, t, hosts in sorted(loads, key=lambda x: x[:2]):
+            spans = [(first, t.h2d_s)] if hosts is None else list(zip(hosts, t.h2d_layers))
+            ready = []
+            for host_ready, seconds in spans:
+                start = host_ready if self.free else max(host_ready, self.copy_free)
+                end = start if self.free else start + seconds
+                self.copy_free = max(self.copy_free, end)
+                ready.append(end)
+            self.cache.set_ready(a, ready, self.walk_s)
+            res.timeline.append(("copy", ready[0] - spans[0][1] if not self.free else first, ready[-1], "load"))
         self.pending.clear()
         self.cache.host = self.engine.host_resident()
 
@@ -184,11 +204,16 @@ def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
         rs.settle()
         res.prep_s += timing.prep_s
         start = max([now] + [cache.ready_at[r.adapter] for r, _ in plan.batch if r.adapter is not None])
-        if start > now:
-            res.stall_s += start - now
-            res.step_stall_s += start - now
-            res.timeline.append(("compute", now, start, "stall"))
-        end = start + timing.compute_s
+        # A layer-wise load's layer l is read when the step reaches layer l; a late layer holds the step there.
+        end = cache.step_end(start, timing.compute_s, {r.adapter for r, _ in plan.batch})
+        stall = (start - now) + (end - (start + timing.compute_s))  # exactly 0 when nothing waits
+        if stall > 0:
+            res.stall_s += stall
+            res.step_stall_s += stall
+            res.timeline.append(("compute", now, now + stall, "stall"))
+            start = now + stall
+        rs.walk_s = timing.compute_s if res.steps == 0 else min(rs.walk_s, timing.compute_s)
+        cache.observe_step(plan.num_tokens, timing.compute_s)
         prefill = any(r.pos < r.req.prompt_len for r, _ in plan.batch)
         res.timeline.append(("compute", start, end, "prefill" if prefill else "decode"))
         res.busy_s += timing.compute_s
