@@ -55,7 +55,8 @@ TARGETS = {"zipf:1.5": {"ttft_p50_x": 1.05, "ttft_p50_x_hi": 1.10, "e2e_p50_x": 
 
 def base_config(args) -> sr.SimConfig:
     common_kw = dict(requests=args.requests, seeds=args.seeds, loads=args.loads, dist=args.dists, check=False,
-                     cache_dir=args.cache_dir, host_budget=args.host_budget, host_workers=args.host_workers)
+                     cache_dir=args.cache_dir, host_budget=args.host_budget, host_workers=args.host_workers,
+                     layerwise=not getattr(args, "no_layerwise", False))
     if args.smoke:
         return sr.SimConfig(model="tiny", layers=2, adapters=16, slots=4, ranks="8,16,32", input_len="8:64",
                             output_len="2:16", chunk=32, max_running=8, max_batch_tokens=64, device="cpu",
@@ -278,7 +279,9 @@ def setup(args):
           f"adapters: {budget}, LRU, the rest read from their folders on demand by {host['workers']} host-stage worker(s); "
           f"{cfg.requests} requests, prompts {cfg.input_len}, outputs {cfg.output_len}; chunk {cfg.chunk}, <= "
           f"{cfg.max_running} requests / {cfg.max_batch_tokens} rows per step; max_prefetch {cfg.max_prefetch}; "
-          f"step time: {cfg.timed_layers or spec.layers} of {spec.layers} layers timed.", ""]
+          f"step time: {cfg.timed_layers or spec.layers} of {spec.layers} layers timed; loads "
+          f"{'layer by layer (a step may start before the last layers of its adapters land)' if engine.layerwise else 'whole'}.",
+          ""]
     common.write_jsonl(args.json, [{"scenario": "setup", "h2d_gbs": h2d, "folders_s": t_gen, "backend": cfg.backend,
                                     **host}])
     return cfg, engine, md
@@ -298,6 +301,8 @@ def main() -> int:
                    help="host memory for packed adapters: all, P%% of the adapters' bytes, or a size like 1GB")
     p.add_argument("--host-workers", type=int, default=None, help="host-stage threads (default min(4, cores))")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--no-layerwise", action="store_true", help="whole-adapter loads (the package before layer-wise "
+                                                               "loading), for a before/after comparison")
     p.add_argument("--dists", default="zipf:1.5,distinct")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--plot", type=Path, default=None, help="the load plot (default: serving_load.png beside --json)")

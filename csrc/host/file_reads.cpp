@@ -210,6 +210,88 @@ PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
   return Py_BuildValue("(nLi)", failed.job, failed.at, failed.err);
 }
 
+namespace {
+
+// Reads the jobs layer by layer (layer_of: non-decreasing), every thread on the next piece of the lowest unread
+// layer; stamps each layer as the prefix of complete layers passes it and stores the prefix into *flag (release:
+// the layer's bytes are in place before the GPU can see the count). Returns the first failure in job order.
+Failure read_by_layer(int fd, const std::vector<Py_buffer>& views, const std::vector<long long>& offsets,
+                      const std::vector<int>& layer_of, int nlayers, int threads, int* flag, std::vector<double>& times) {
+  struct Piece {
+    Py_ssize_t job;
+    size_t begin, len;
+  };
+  std::vector<Piece> pieces;
+  std::vector<std::atomic<long long>> left(nlayers);
+  for (auto& c : left) c.store(0);
+  for (size_t i = 0; i < views.size(); ++i) {
+    const size_t len = static_cast<size_t>(views[i].len);
+    for (size_t b = 0; b < len; b += kLayerChunk) {
+      pieces.push_back({static_cast<Py_ssize_t>(i), b, std::min(kLayerChunk, len - b)});
+      left[layer_of[i]].fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  Failure failed;
+  int prefix = 0;
+  auto advance = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    while (prefix < nlayers && left[prefix].load(std::memory_order_acquire) == 0) {
+      times.push_back(monotonic_s());
+      ++prefix;
+      if (flag != nullptr) __atomic_store_n(flag, prefix, __ATOMIC_RELEASE);
+    }
+  };
+  auto work = [&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+      const size_t k = next.fetch_add(1);
+      if (k >= pieces.size()) return;
+      const Piece& p = pieces[k];
+      const long long off = offsets[p.job] + static_cast<long long>(p.begin);
+      const size_t done = pread_full(fd, static_cast<char*>(views[p.job].buf) + p.begin, p.len, off);
+      if (done < p.len) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (failed.job < 0 || p.job < failed.job) failed = Failure{p.job, off + static_cast<long long>(done), errno};
+        stop.store(true);
+        return;
+      }
+      if (left[layer_of[p.job]].fetch_sub(1, std::memory_order_acq_rel) == 1) advance();
+    }
+  };
+  const size_t t = std::max<size_t>(1, std::min<size_t>({static_cast<size_t>(std::max(threads, 1)), pieces.size(), 64}));
+  advance();  // leading layers with no bytes
+  std::vector<std::thread> pool;
+  for (size_t k = 1; k < t; ++k) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+  return failed;
+}
+
+// One layer per job from `layers_obj` (non-decreasing, in [0, nlayers)); false with a Python error set.
+bool parse_layers(PyObject* layers_obj, Py_ssize_t n, int nlayers, std::vector<int>& layer_of) {
+  PyObject* lseq = PySequence_Fast(layers_obj, "pread_layers: layers must be a sequence of ints");
+  if (lseq == nullptr) return false;
+  bool ok = PySequence_Fast_GET_SIZE(lseq) == n;
+  if (!ok) PyErr_Format(PyExc_ValueError, "pread_layers: %zd layers for %zd jobs", PySequence_Fast_GET_SIZE(lseq), n);
+  layer_of.resize(n);
+  for (Py_ssize_t i = 0; ok && i < n; ++i) {
+    const long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(lseq, i));
+    if ((v == -1 && PyErr_Occurred()) || v < 0 || v >= nlayers || (i > 0 && v < layer_of[i - 1])) {
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "pread_layers: layers[%zd] = %ld is not in [0, %d) or decreases", i, v, nlayers);
+      ok = false;
+    } else {
+      layer_of[i] = static_cast<int>(v);
+    }
+  }
+  Py_DECREF(lseq);
+  return ok;
+}
+
+}  // namespace
+
 PyObject* pread_layers(PyObject* /*self*/, PyObject* args) {
   int fd, nlayers, threads;
   PyObject *jobs_obj, *layers_obj, *flag_obj;
@@ -218,96 +300,22 @@ PyObject* pread_layers(PyObject* /*self*/, PyObject* args) {
   if (seq == nullptr) return nullptr;
   std::vector<Py_buffer> views;
   std::vector<long long> offsets;
+  std::vector<int> layer_of;
   Py_ssize_t got = 0;
-  bool ok = parse_jobs(seq, views, offsets, got);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  std::vector<int> layer_of(n);
+  bool ok = parse_jobs(seq, views, offsets, got) && parse_layers(layers_obj, got, nlayers, layer_of);
   Py_buffer flag{};
-  bool have_flag = false;
-  if (ok) {  // one layer per job, non-decreasing, in [0, nlayers)
-    PyObject* lseq = PySequence_Fast(layers_obj, "pread_layers: layers must be a sequence of ints");
-    ok = lseq != nullptr && PySequence_Fast_GET_SIZE(lseq) == n;
-    if (lseq != nullptr && !ok) PyErr_Format(PyExc_ValueError, "pread_layers: %zd layers for %zd jobs",
-                                             PySequence_Fast_GET_SIZE(lseq), n);
-    for (Py_ssize_t i = 0; ok && i < n; ++i) {
-      const long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(lseq, i));
-      if ((v == -1 && PyErr_Occurred()) || v < 0 || v >= nlayers || (i > 0 && v < layer_of[i - 1])) {
-        if (!PyErr_Occurred())
-          PyErr_Format(PyExc_ValueError, "pread_layers: layers[%zd] = %ld is not in [0, %d) or decreases", i, v,
-                       nlayers);
-        ok = false;
-      } else {
-        layer_of[i] = static_cast<int>(v);
-      }
-    }
-    Py_XDECREF(lseq);
-  }
-  if (ok && flag_obj != Py_None) {  // where the count of complete layers is stored (a pinned int32 a GPU polls)
-    ok = PyObject_GetBuffer(flag_obj, &flag, PyBUF_WRITABLE) == 0;
-    have_flag = ok;
-    if (ok && (flag.len < 4 || reinterpret_cast<uintptr_t>(flag.buf) % 4 != 0)) {
-      PyErr_SetString(PyExc_ValueError, "pread_layers: flag must be a writable, 4-byte aligned buffer of >= 4 bytes");
-      ok = false;
-    }
+  const bool have_flag = ok && flag_obj != Py_None && PyObject_GetBuffer(flag_obj, &flag, PyBUF_WRITABLE) == 0;
+  if (ok && flag_obj != Py_None && !have_flag) ok = false;
+  if (have_flag && (flag.len < 4 || reinterpret_cast<uintptr_t>(flag.buf) % 4 != 0)) {
+    PyErr_SetString(PyExc_ValueError, "pread_layers: flag must be a writable, 4-byte aligned buffer of >= 4 bytes");
+    ok = false;
   }
   Failure failed;
   std::vector<double> times;
   if (ok && nlayers > 0) {
-    struct Piece {
-      Py_ssize_t job;
-      size_t begin, len;
-    };
-    std::vector<Piece> pieces;
-    std::vector<std::atomic<long long>> left(nlayers);
-    for (auto& c : left) c.store(0);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      const size_t len = static_cast<size_t>(views[i].len);
-      for (size_t b = 0; b < len; b += kLayerChunk) {
-        pieces.push_back({i, b, std::min(kLayerChunk, len - b)});
-        left[layer_of[i]].fetch_add(1, std::memory_order_relaxed);
-      }
-    }
     int* flag_ptr = have_flag ? static_cast<int*>(flag.buf) : nullptr;
-    std::atomic<size_t> next{0};
-    std::atomic<bool> stop{false};
-    std::mutex mu;
-    int prefix = 0;
-    // Layers complete in order: the thread that finishes a layer's last piece moves the prefix over every
-    // complete layer, stamping each and publishing the count (release: its bytes are in place before it).
-    auto advance = [&] {
-      std::lock_guard<std::mutex> lock(mu);
-      while (prefix < nlayers && left[prefix].load(std::memory_order_acquire) == 0) {
-        times.push_back(monotonic_s());
-        ++prefix;
-        if (flag_ptr != nullptr) __atomic_store_n(flag_ptr, prefix, __ATOMIC_RELEASE);
-      }
-    };
-    auto work = [&] {
-      for (;;) {
-        if (stop.load(std::memory_order_relaxed)) return;
-        const size_t k = next.fetch_add(1);
-        if (k >= pieces.size()) return;
-        const Piece& p = pieces[k];
-        char* dst = static_cast<char*>(views[p.job].buf) + p.begin;
-        const long long off = offsets[p.job] + static_cast<long long>(p.begin);
-        const size_t done = pread_full(fd, dst, p.len, off);
-        if (done < p.len) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (failed.job < 0 || p.job < failed.job) failed = Failure{p.job, off + static_cast<long long>(done), errno};
-          stop.store(true);
-          return;
-        }
-        if (left[layer_of[p.job]].fetch_sub(1, std::memory_order_acq_rel) == 1) advance();
-      }
-    };
-    const int t = static_cast<int>(std::max<size_t>(1, std::min<size_t>({static_cast<size_t>(std::max(threads, 1)),
-                                                                           pieces.size(), 64})));
     Py_BEGIN_ALLOW_THREADS
-    advance();  // leading layers with no bytes
-    std::vector<std::thread> pool;
-    for (int k = 1; k < t; ++k) pool.emplace_back(work);
-    work();
-    for (auto& th : pool) th.join();
+    failed = read_by_layer(fd, views, offsets, layer_of, nlayers, threads, flag_ptr, times);
     Py_END_ALLOW_THREADS
   }
   if (have_flag) PyBuffer_Release(&flag);
