@@ -155,6 +155,28 @@ def bench_host_workers(paths: list[Path], spec: ModelSpec, pin: bool, workers_li
     return rows
 
 
+def bench_host_layers(folders: dict[int, list[Path]], spec: ModelSpec, reps: int, pin: bool,
+                      threads=(4, 8)) -> list[dict]:
+    """A layer-wise host stage (one worker, page cache warm): when each layer is in place, median over reads."""
+    rows = []
+    for r, paths in folders.items():
+        for n in threads:
+            store = HostAdapterStore(spec, DTYPE, pin=pin, read_threads=n)
+            store.register_path("x", paths[0])
+            with HostStager(store, workers=1, layerwise=True) as stager:
+                ends = []
+                for _ in range(max(reps, 7)):
+                    store.drop("x")
+                    st = stager.submit("x")
+                    st.result()
+                    ends.append(st.layer_seconds)
+            med = [statistics.median(e[k] for e in ends) * 1e3 for k in range(spec.layers)]
+            rows.append({"kind": "host_layers", "rank": r, "read_threads": n, "layer0_ms": med[0],
+                         "layer0_share": med[0] / med[-1], "total_ms": med[-1],
+                         "layer_ends_ms": " ".join(f"{m:.2f}" for m in med)})
+    return rows
+
+
 class _reused_buffers:
     """Hands the reader a cached buffer per size (what torch's pinned allocator does for pinned ones)."""
 
@@ -204,7 +226,9 @@ def run_host(args, reps: int) -> list[dict]:
                               "first_ms", "cold_ms", "cold_GB/s", "cold_method", "target_ms", "met"])
     wrows = bench_host_workers(worker_folders, spec, pin)
     common.print_table(wrows, ["workers", "adapters", "MB", "ms", "GB/s"])
-    return rows + wrows
+    lrows = bench_host_layers(folders, spec, reps, pin)
+    common.print_table(lrows, ["rank", "read_threads", "layer0_ms", "layer0_share", "total_ms", "layer_ends_ms"])
+    return rows + wrows + lrows
 
 
 # ---- 2. loads -------------------------------------------------------------------------------------------

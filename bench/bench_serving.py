@@ -78,6 +78,7 @@ class StageLog:
         self.engine = engine
         self.host: dict[int, list[float]] = {}
         self.copy: dict[int, list[float]] = {}
+        self.layers: dict[int, list[list]] = {}  # layer-wise loads: [host layer ends, copy layer spans] by rank
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -102,7 +103,20 @@ class StageLog:
             self.host.setdefault(rank, []).append(t.host_s)
         if t.h2d_s:
             self.copy.setdefault(rank, []).append(t.h2d_s)
+        if t.host_layers is not None or t.h2d_layers is not None:
+            self.layers.setdefault(rank, []).append([t.host_layers, t.h2d_layers])
         return t
+
+    def layer_shares(self) -> dict[int, dict[str, float]]:
+        """By rank, medians over layer-wise loads: when layer 0's host part ended, as a share of the host stage
+        (1/L if the layers land evenly), and layer 0's copy as a share of the copy."""
+        out = {}
+        for r, rows in sorted(self.layers.items()):
+            host = [h[0] / h[-1] for h, _ in rows if h and h[-1] > 0]
+            copy = [c[0] / sum(c) for _, c in rows if c and sum(c) > 0]
+            out[r] = {"host_first_share": round(statistics.median(host), 3) if host else None,
+                      "copy_first_share": round(statistics.median(copy), 3) if copy else None}
+        return out
 
     def medians_ms(self, which: dict) -> dict[int, float]:
         return {r: round(1e3 * statistics.median(v), 2) for r, v in sorted(which.items())}
@@ -345,8 +359,14 @@ def main() -> int:
         log(f"median host stage (folder read + pack) ms by rank {host_ms}; median copy ms by rank {copy_ms}")
         md += [f"Median measured stage times by rank, over every load of these runs: host stage (folder read + "
                f"parse + pack into pinned memory, worker wall time) {host_ms} ms; H2D copy {copy_ms} ms.", ""]
+        shares = engine.layer_shares()
+        if shares:
+            log(f"layer 0's share of the host stage and of the copy (median, by rank): {shares}")
+            md += [f"Layer-wise loads, layer 0's share of the host stage and of the copy (median by rank; 1/"
+                   f"{cfg.spec().layers} when layers land evenly): {shares}.", ""]
         common.write_jsonl(args.json, [{"scenario": "stage times", "host_stage_ms_by_rank": host_ms,
-                                        "copy_ms_by_rank": copy_ms}])
+                                        "copy_ms_by_rank": copy_ms, "layer_shares": shares,
+                                        "layers_by_rank": {r: v for r, v in engine.layers.items()}}])
         (out_dir / "bench_serving.md").write_text("\n".join(md) + "\n")
         log(f"-- done in {time.perf_counter() - t_start:.0f} s; {out_dir / 'bench_serving.md'}")
     finally:

@@ -376,7 +376,7 @@ def _published(store, name, pin=True):
     from lora_kernels.adapters.progress import LayerProgress
 
     real = store.get(name)
-    buf = torch.full_like(real.buffer, 0xFF)
+    buf = torch.full_like(real.buffer, 0xFF).pin_memory()
     p = LayerProgress(SPEC.layers, pin=pin)
     p.publish(lay.wrap_buffer(name, real.blocks, buf, real.scaling, real.dtype, pin=True))
     return p, real

@@ -35,8 +35,8 @@ from lora_kernels.serve_sim import run as sr  # noqa: E402
 from lora_kernels.serve_sim.folders import adapter_rank  # noqa: E402
 from lora_kernels.serve_sim.sim import LoadTiming, StepTiming  # noqa: E402
 
-HOST_MS = {8: 1.39, 16: 1.89, 32: 2.97, 64: 5.02}  # H200 serving run of bda3755: median per rank
-COPY_MS = {8: 0.21, 16: 0.40, 32: 0.77, 64: 1.52}
+HOST_MS = {8: 1.72, 16: 2.32, 32: 3.46, 64: 5.99}  # H200 serving run of de11cbf (layer-wise reads): median per rank
+COPY_MS = {8: 0.31, 16: 0.49, 32: 0.86, 64: 1.57}
 
 
 class ModelEngine:

@@ -24,8 +24,10 @@ the adapter's own bytes and no padding.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lora_kernels.adapters.peft import AdapterWeights
@@ -101,13 +103,33 @@ def packed_layout(spec: ModelSpec, rank: int, keys: tuple[Key, ...], esize: int)
 
 def write_header(buffer: torch.Tensor, rank: int, scaling: float) -> float:
     """Writes (rank, scaling) into the buffer's header; returns the scaling as stored (float32)."""
-    header = buffer[:HEADER_BYTES]
-    header[:4].view(torch.int32)[0] = rank
-    header[4:].view(torch.float32)[0] = scaling
-    return float(header[4:].view(torch.float32)[0])
+    header = buffer[:HEADER_BYTES].numpy()  # numpy: no torch op per scalar on the host stage's path
+    header[:4].view(np.int32)[0] = rank
+    header[4:].view(np.float32)[0] = scaling
+    return float(header[4:].view(np.float32)[0])
 
 
 # ---- the packed buffer -------------------------------------------------------------------------------
+
+class BlockViews(Mapping):
+    """(layer, group) -> uint8 view of that block of a packed buffer, made on first access (a read that needs none
+    of them, the common case, does not pay for ~14 tensor views per layer)."""
+
+    def __init__(self, spans: dict, buffer: torch.Tensor):
+        self._spans, self._buffer, self._views = spans, buffer, {}
+
+    def __getitem__(self, key) -> torch.Tensor:
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = self._spans[key].view(self._buffer)
+        return v
+
+    def __iter__(self):
+        return iter(self._spans)
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
 
 @dataclass(eq=False)
 class PackedAdapter:
@@ -119,16 +141,17 @@ class PackedAdapter:
     dtype: torch.dtype
     buffer: torch.Tensor
     header: torch.Tensor
-    a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    blocks: PackedLayout
     plans: dict = field(default_factory=dict, repr=False)  # the loader's per-pool source lists, cached
-    blocks: PackedLayout | None = None
     held_bytes: int = 0
+
+    def __post_init__(self):
+        self.a, self.b = BlockViews(self.blocks.a, self.buffer), BlockViews(self.blocks.b, self.buffer)
 
     @property
     def layout(self) -> tuple[tuple[int, str], ...]:
         """The (layer, group) blocks present, in pool order."""
-        return tuple(self.a)
+        return self.blocks.keys
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +161,7 @@ class PackedAdapter:
     @property
     def payload_bytes(self) -> int:
         """Bytes a load moves: the header plus every block (alignment padding excluded)."""
-        return HEADER_BYTES + sum(v.numel() for d in (self.a, self.b) for v in d.values())
+        return self.blocks.payload_bytes
 
 
 def alloc_buffer(nbytes: int, pin: bool) -> torch.Tensor:
@@ -149,12 +172,8 @@ def wrap_buffer(adapter_id: str, blocks: PackedLayout, buf: torch.Tensor, scalin
                 pin: bool) -> PackedAdapter:
     """The `PackedAdapter` over a buffer laid out as `blocks` (header written here)."""
     stored = write_header(buf, blocks.rank, scaling)
-    p = PackedAdapter(adapter_id, blocks.rank, stored, dtype, buf, buf[:HEADER_BYTES], blocks=blocks,
-                      held_bytes=allocator_nbytes(buf.numel(), pin))
-    for key in blocks.keys:
-        p.a[key] = blocks.a[key].view(buf)
-        p.b[key] = blocks.b[key].view(buf)
-    return p
+    return PackedAdapter(adapter_id, blocks.rank, stored, dtype, buf, buf[:HEADER_BYTES], blocks=blocks,
+                         held_bytes=allocator_nbytes(buf.numel(), pin))
 
 
 def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> PackedAdapter:
