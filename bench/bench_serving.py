@@ -78,7 +78,7 @@ class StageLog:
         self.engine = engine
         self.host: dict[int, list[float]] = {}
         self.copy: dict[int, list[float]] = {}
-        self.layers: dict[int, list[list]] = {}  # layer-wise loads: [host layer ends, copy layer spans] by rank
+        self.layers: dict[int, list[list]] = {}  # layer-wise loads by rank: [host_s, host layer ends, h2d_s, copy spans]
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -104,7 +104,7 @@ class StageLog:
         if t.h2d_s:
             self.copy.setdefault(rank, []).append(t.h2d_s)
         if t.host_layers is not None or t.h2d_layers is not None:
-            self.layers.setdefault(rank, []).append([t.host_layers, t.h2d_layers])
+            self.layers.setdefault(rank, []).append([t.host_s, t.host_layers, t.h2d_s, t.h2d_layers])
         return t
 
     def layer_shares(self) -> dict[int, dict[str, float]]:
@@ -112,8 +112,8 @@ class StageLog:
         (1/L if the layers land evenly), and layer 0's copy as a share of the copy."""
         out = {}
         for r, rows in sorted(self.layers.items()):
-            host = [h[0] / h[-1] for h, _ in rows if h and h[-1] > 0]
-            copy = [c[0] / sum(c) for _, c in rows if c and sum(c) > 0]
+            host = [h[0] / s for s, h, _, _ in rows if h and s > 0]
+            copy = [c[0] / sum(c) for _, _, _, c in rows if c and sum(c) > 0]
             out[r] = {"host_first_share": round(statistics.median(host), 3) if host else None,
                       "copy_first_share": round(statistics.median(copy), 3) if copy else None}
         return out

@@ -55,7 +55,7 @@ def test_stager_times_each_layer_and_a_failure_releases_the_flag(tmp_path):
         with pytest.raises(Exception, match="truncated|adapter 'b'"):
             b.result()
     secs = a.layer_seconds
-    assert len(secs) == SPEC.layers and list(secs) == sorted(secs) and secs[-1] == a.seconds and secs[0] >= 0
+    assert len(secs) == SPEC.layers and list(secs) == sorted(secs) and 0 <= secs[0] and secs[-1] <= a.seconds
     assert b.progress.failed and b.progress.count == FAILED and b.layer_seconds is None
 
 

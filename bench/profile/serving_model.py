@@ -13,6 +13,9 @@ distinct, against 1.121x and 1.680x measured: a tool to rank ideas before buildi
 Changes it can model:
   --host-scale / --copy-scale  a faster host stage or copy (e.g. 0.5: twice as fast)
   --workers N                  host stages at once (the engine runs min(4, cores))
+  --stages-from F.jsonl        replay the stage times a bench_serving run measured (its "stage times" row: every
+                               layer-wise load's host stage, layer ends, copy and copy spans, by rank), cycling
+                               through them per rank, instead of the medians below (implies --layerwise both)
   --layerwise host|copy|both   layer-wise loads, placed by the simulator layer by layer (LoadTiming's host_layers
                                and h2d_layers): a step may start before the adapter's last layers are in place,
                                and stops at a layer that is late. "copy": the host stage is one unit, its copy is
@@ -23,6 +26,7 @@ Changes it can model:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -47,10 +51,18 @@ class ModelEngine:
     def __init__(self, ranks, args):
         self.ranks, self.args, self.host_workers = ranks, args, args.workers
         self.size = [r / 8 for r in ranks]  # packed bytes are proportional to the rank
+        self.samples = {}
+        if args.stages_from:
+            rows = [json.loads(line) for line in open(args.stages_from)]
+            stage = next(row for row in rows if row.get("scenario") == "stage times")
+            for r, v in stage["layers_by_rank"].items():  # rows [host layers, copy spans] before 7379000's successor
+                self.samples[int(r)] = [x if len(x) == 4 else [x[0][-1] if x[0] else 0.0, x[0], sum(x[1] or ()), x[1]]
+                                        for x in v]
         self.capacity = 0.25 * sum(self.size)
 
     def reset(self):
         self.host = OrderedDict()
+        self.next = {r: 0 for r in set(self.ranks)}
 
     def _stage(self, a) -> bool:
         cold = a not in self.host
@@ -71,6 +83,17 @@ class ModelEngine:
     def load_seconds(self, handle) -> LoadTiming:
         a, cold, load = handle
         r, args = self.ranks[a], self.args
+        if self.samples:  # measured: the next recorded load of this rank
+            rows = self.samples[r]
+            host_s, host_layers, h2d_s, h2d_layers = rows[self.next[r] % len(rows)]
+            self.next[r] += 1
+            hs, cs = args.host_scale, args.copy_scale
+            host_s, h2d_s = host_s * hs, h2d_s * cs
+            host_layers = [t * hs for t in host_layers] if host_layers else host_layers
+            h2d_layers = [t * cs for t in h2d_layers] if h2d_layers else h2d_layers
+            return LoadTiming(host_s if cold else 0.0, h2d_s if load else 0.0, cold,
+                              tuple(host_layers) if cold and host_layers else None,
+                              tuple(h2d_layers) if load and h2d_layers else None)
         host = HOST_MS[r] * 1e-3 * args.host_scale if cold else 0.0
         copy = COPY_MS[r] * 1e-3 * args.copy_scale if load else 0.0
         n, mode = self.layers, args.layerwise
@@ -94,6 +117,7 @@ def main() -> None:
     p.add_argument("--copy-scale", type=float, default=1.0)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--layerwise", choices=("none", "host", "copy", "both"), default="none")
+    p.add_argument("--stages-from", default=None)
     p.add_argument("--step-a-ms", type=float, default=1.8)
     p.add_argument("--step-b-us", type=float, default=7.0)
     p.add_argument("--seeds", type=int, default=5)

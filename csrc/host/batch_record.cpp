@@ -268,9 +268,10 @@ PyMethodDef host_methods[] = {
      "pread_into(fd, [(file_offset, writable_buffer), ...], threads=1) -> None, or (job, file_byte, errno) of the first read "
      "that failed (errno 0: end of file); every read with the GIL released"},
     {"pread_layers", pread_layers, METH_VARARGS,
-     "pread_layers(fd, jobs, layers, nlayers, threads, flag) -> (None or (job, file_byte, errno), layer times): jobs "
-     "tagged with non-decreasing layers, read layer by layer by all threads; the count of complete layers is stored "
-     "into flag (int32 buffer or None) as each completes"},
+     "pread_layers(path, buffer, reads, nlayers, threads, flag) -> (None or (job, file_byte, errno), layer times): "
+     "reads = (layer, file offset, buffer offset, bytes) with non-decreasing layers, read layer by layer by all "
+     "threads, the file opened and closed with the GIL released once; the count of complete layers is stored into "
+     "flag (int32 buffer or None) as each completes"},
     {"stream_wait_geq", stream_wait_geq, METH_VARARGS,
      "stream_wait_geq(stream, host_addr, value) -> None: the CUDA stream waits until the pinned int32 at host_addr "
      "is >= value (cuStreamWaitValue32)"},

@@ -212,23 +212,27 @@ PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
 
 namespace {
 
-// Reads the jobs layer by layer (layer_of: non-decreasing), every thread on the next piece of the lowest unread
-// layer; stamps each layer as the prefix of complete layers passes it and stores the prefix into *flag (release:
-// the layer's bytes are in place before the GPU can see the count). Returns the first failure in job order.
-Failure read_by_layer(int fd, const std::vector<Py_buffer>& views, const std::vector<long long>& offsets,
-                      const std::vector<int>& layer_of, int nlayers, int threads, int* flag, std::vector<double>& times) {
+struct Read {  // one direct read of a layer-wise job list: file bytes [file, file + len) into buffer + dst
+  int layer;
+  long long file, dst, len;
+};
+
+// Reads `reads` (layers non-decreasing) into `base` layer by layer, every thread on the next piece of the lowest
+// unread layer; stamps each layer as the prefix of complete layers passes it and stores the prefix into *flag
+// (release: the layer's bytes are in place before the GPU can see the count). Returns the first failure in job order.
+Failure read_by_layer(int fd, char* base, const std::vector<Read>& reads, int nlayers, int threads, int* flag,
+                      std::vector<double>& times) {
   struct Piece {
     Py_ssize_t job;
-    size_t begin, len;
+    long long begin, len;
   };
   std::vector<Piece> pieces;
   std::vector<std::atomic<long long>> left(nlayers);
   for (auto& c : left) c.store(0);
-  for (size_t i = 0; i < views.size(); ++i) {
-    const size_t len = static_cast<size_t>(views[i].len);
-    for (size_t b = 0; b < len; b += kLayerChunk) {
-      pieces.push_back({static_cast<Py_ssize_t>(i), b, std::min(kLayerChunk, len - b)});
-      left[layer_of[i]].fetch_add(1, std::memory_order_relaxed);
+  for (size_t i = 0; i < reads.size(); ++i) {
+    for (long long b = 0; b < reads[i].len; b += kLayerChunk) {
+      pieces.push_back({static_cast<Py_ssize_t>(i), b, std::min<long long>(kLayerChunk, reads[i].len - b)});
+      left[reads[i].layer].fetch_add(1, std::memory_order_relaxed);
     }
   }
   std::atomic<size_t> next{0};
@@ -249,15 +253,16 @@ Failure read_by_layer(int fd, const std::vector<Py_buffer>& views, const std::ve
       const size_t k = next.fetch_add(1);
       if (k >= pieces.size()) return;
       const Piece& p = pieces[k];
-      const long long off = offsets[p.job] + static_cast<long long>(p.begin);
-      const size_t done = pread_full(fd, static_cast<char*>(views[p.job].buf) + p.begin, p.len, off);
-      if (done < p.len) {
+      const Read& r = reads[p.job];
+      const long long off = r.file + p.begin;
+      const size_t done = pread_full(fd, base + r.dst + p.begin, static_cast<size_t>(p.len), off);
+      if (done < static_cast<size_t>(p.len)) {
         std::lock_guard<std::mutex> lock(mu);
         if (failed.job < 0 || p.job < failed.job) failed = Failure{p.job, off + static_cast<long long>(done), errno};
         stop.store(true);
         return;
       }
-      if (left[layer_of[p.job]].fetch_sub(1, std::memory_order_acq_rel) == 1) advance();
+      if (left[r.layer].fetch_sub(1, std::memory_order_acq_rel) == 1) advance();
     }
   };
   const size_t t = std::max<size_t>(1, std::min<size_t>({static_cast<size_t>(std::max(threads, 1)), pieces.size(), 64}));
@@ -269,41 +274,39 @@ Failure read_by_layer(int fd, const std::vector<Py_buffer>& views, const std::ve
   return failed;
 }
 
-// One layer per job from `layers_obj` (non-decreasing, in [0, nlayers)); false with a Python error set.
-bool parse_layers(PyObject* layers_obj, Py_ssize_t n, int nlayers, std::vector<int>& layer_of) {
-  PyObject* lseq = PySequence_Fast(layers_obj, "pread_layers: layers must be a sequence of ints");
-  if (lseq == nullptr) return false;
-  bool ok = PySequence_Fast_GET_SIZE(lseq) == n;
-  if (!ok) PyErr_Format(PyExc_ValueError, "pread_layers: %zd layers for %zd jobs", PySequence_Fast_GET_SIZE(lseq), n);
-  layer_of.resize(n);
+// (layer, file offset, buffer offset, bytes) tuples, layers non-decreasing in [0, nlayers), each inside a buffer
+// of `size` bytes; false with a Python error set.
+bool parse_reads(PyObject* obj, int nlayers, long long size, std::vector<Read>& reads) {
+  PyObject* seq = PySequence_Fast(obj, "pread_layers: reads must be a sequence of (layer, file, dst, bytes)");
+  if (seq == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  reads.resize(n);
+  bool ok = true;
   for (Py_ssize_t i = 0; ok && i < n; ++i) {
-    const long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(lseq, i));
-    if ((v == -1 && PyErr_Occurred()) || v < 0 || v >= nlayers || (i > 0 && v < layer_of[i - 1])) {
-      if (!PyErr_Occurred())
-        PyErr_Format(PyExc_ValueError, "pread_layers: layers[%zd] = %ld is not in [0, %d) or decreases", i, v, nlayers);
+    Read& r = reads[i];
+    ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iLLL", &r.layer, &r.file, &r.dst, &r.len) != 0;
+    if (ok && (r.layer < 0 || r.layer >= nlayers || (i > 0 && r.layer < reads[i - 1].layer) || r.file < 0 ||
+               r.dst < 0 || r.len < 0 || r.dst + r.len > size)) {
+      PyErr_Format(PyExc_ValueError, "pread_layers: reads[%zd] = (%d, %lld, %lld, %lld) is out of order or outside "
+                   "the %lld-byte buffer (layers in [0, %d))", i, r.layer, r.file, r.dst, r.len, size, nlayers);
       ok = false;
-    } else {
-      layer_of[i] = static_cast<int>(v);
     }
   }
-  Py_DECREF(lseq);
+  Py_DECREF(seq);
   return ok;
 }
 
 }  // namespace
 
 PyObject* pread_layers(PyObject* /*self*/, PyObject* args) {
-  int fd, nlayers, threads;
-  PyObject *jobs_obj, *layers_obj, *flag_obj;
-  if (!PyArg_ParseTuple(args, "iOOiiO", &fd, &jobs_obj, &layers_obj, &nlayers, &threads, &flag_obj)) return nullptr;
-  PyObject* seq = PySequence_Fast(jobs_obj, "pread_layers: jobs must be a list of (file offset, writable buffer)");
-  if (seq == nullptr) return nullptr;
-  std::vector<Py_buffer> views;
-  std::vector<long long> offsets;
-  std::vector<int> layer_of;
-  Py_ssize_t got = 0;
-  bool ok = parse_jobs(seq, views, offsets, got) && parse_layers(layers_obj, got, nlayers, layer_of);
-  Py_buffer flag{};
+  const char* path;
+  int nlayers, threads;
+  PyObject *buf_obj, *reads_obj, *flag_obj;
+  if (!PyArg_ParseTuple(args, "sOOiiO", &path, &buf_obj, &reads_obj, &nlayers, &threads, &flag_obj)) return nullptr;
+  Py_buffer buf{}, flag{};
+  if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return nullptr;
+  std::vector<Read> reads;
+  bool ok = parse_reads(reads_obj, nlayers, static_cast<long long>(buf.len), reads);
   const bool have_flag = ok && flag_obj != Py_None && PyObject_GetBuffer(flag_obj, &flag, PyBUF_WRITABLE) == 0;
   if (ok && flag_obj != Py_None && !have_flag) ok = false;
   if (have_flag && (flag.len < 4 || reinterpret_cast<uintptr_t>(flag.buf) % 4 != 0)) {
@@ -311,17 +314,24 @@ PyObject* pread_layers(PyObject* /*self*/, PyObject* args) {
     ok = false;
   }
   Failure failed;
+  int open_errno = 0;
   std::vector<double> times;
   if (ok && nlayers > 0) {
     int* flag_ptr = have_flag ? static_cast<int*>(flag.buf) : nullptr;
-    Py_BEGIN_ALLOW_THREADS
-    failed = read_by_layer(fd, views, offsets, layer_of, nlayers, threads, flag_ptr, times);
+    Py_BEGIN_ALLOW_THREADS  // open, every read and close: the GIL released once
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      open_errno = errno;
+    } else {
+      failed = read_by_layer(fd, static_cast<char*>(buf.buf), reads, nlayers, threads, flag_ptr, times);
+      close(fd);
+    }
     Py_END_ALLOW_THREADS
   }
   if (have_flag) PyBuffer_Release(&flag);
-  for (Py_ssize_t i = 0; i < got; ++i) PyBuffer_Release(&views[i]);
-  Py_DECREF(seq);
+  PyBuffer_Release(&buf);
   if (!ok) return nullptr;
+  if (open_errno != 0) return Py_BuildValue("((nLi)())", static_cast<Py_ssize_t>(-1), 0LL, open_errno);
   PyObject* stamps = PyTuple_New(static_cast<Py_ssize_t>(times.size()));
   if (stamps == nullptr) return nullptr;
   for (size_t i = 0; i < times.size(); ++i) PyTuple_SET_ITEM(stamps, static_cast<Py_ssize_t>(i), PyFloat_FromDouble(times[i]));

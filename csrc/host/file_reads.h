@@ -1,9 +1,10 @@
 // The host stage's file reads with the GIL released once per call (file_reads.cpp):
 //   pread_into(fd, [(file offset, writable buffer), ...], threads=1) -> None, or (job index, file byte, errno) of
 //     the first read that failed (errno 0: end of file);
-//   pread_layers(fd, jobs, layers, nlayers, threads, flag) -> (None or the failure as above, (time each layer was
-//     complete, CLOCK_MONOTONIC seconds, ...)): jobs sorted by `layers` (one per job), read by all threads layer by
-//     layer; after each complete layer the count of complete layers is stored into `flag` (an int32 buffer, or None);
+//   pread_layers(path, buffer, [(layer, file offset, buffer offset, bytes), ...], nlayers, threads, flag) -> (None or
+//     the failure as above (job -1: the open failed), (time each layer was complete, CLOCK_MONOTONIC seconds, ...)):
+//     the file opened, read by all threads layer by layer and closed with the GIL released once; after each complete
+//     layer the count of complete layers is stored into `flag` (an int32 buffer, or None);
 //   read_heads(config_path, weights_path) -> (config bytes, weights file size, safetensors header bytes), or None
 //     on any error (the caller's Python path then raises the error that names it).
 #pragma once

@@ -48,12 +48,13 @@ class HostStage:
 
     @property
     def layer_seconds(self) -> tuple[float, ...] | None:
-        """When each layer of a layer-wise read was in place, seconds from the read's start (valid once done; the
-        last is `seconds`); None unless this submit started a layer-wise read that succeeded."""
+        """When each layer of a layer-wise read was in place, seconds from the read's start (valid once done; each
+        at most `seconds`: the stage ends after its last layer, with the store's bookkeeping); None unless this
+        submit started a layer-wise read that succeeded."""
         p = self.progress
         if not self.cold or p is None or p.failed or len(p.times) < p.layers:
             return None
-        return tuple(min(max(t - self._t0, 0.0), self._seconds) for t in p.times[:-1]) + (self._seconds,)
+        return tuple(min(max(t - self._t0, 0.0), self._seconds) for t in p.times)
 
     @property
     def seconds(self) -> float:

@@ -169,25 +169,30 @@ def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torc
         mv = memoryview(arr)
         for off, n in rp.zero:
             arr[off:off + n] = 0
-        try:
-            fd = os.open(plan.weights_path, os.O_RDONLY)
-        except OSError as e:
-            raise AdapterFormatError(f"{plan.weights_path}: cannot open ({e.strerror})") from None
         by_layer = progress is not None and not (rp.dup or rp.staged or check_finite)
-        try:
-            if by_layer:
-                _pread_layers(fd, _direct_by_layer(rp, packed.blocks), mv, plan.weights_path, read_threads, progress)
-            else:
-                _pread_all(fd, [(f, mv[o:o + n]) for f, o, n in rp.direct], plan.weights_path, read_threads)
-            for m, is_a in rp.staged:
-                _read_staged(fd, plan, spec, packed, dtype, m, is_a)
-        finally:
-            os.close(fd)
+        if by_layer and _native_pread_layers is not None:  # open, reads, close: one GIL release on the worker
+            _native_layers(plan.weights_path, packed.buffer, _direct_by_layer(rp, packed.blocks), read_threads,
+                           progress)
+        else:
+            try:
+                fd = os.open(plan.weights_path, os.O_RDONLY)
+            except OSError as e:
+                raise AdapterFormatError(f"{plan.weights_path}: cannot open ({e.strerror})") from None
+            try:
+                if by_layer:
+                    _pread_layers(fd, _direct_by_layer(rp, packed.blocks), mv, plan.weights_path, read_threads,
+                                  progress)
+                else:
+                    _pread_all(fd, [(f, mv[o:o + n]) for f, o, n in rp.direct], plan.weights_path, read_threads)
+                for m, is_a in rp.staged:
+                    _read_staged(fd, plan, spec, packed, dtype, m, is_a)
+            finally:
+                os.close(fd)
         for src, dst, n in rp.dup:
             arr[dst:dst + n] = arr[src:src + n]
         if check_finite:
             _check_finite(plan, packed, dtype)
-        if progress is not None:
+        if progress is not None and not by_layer:
             progress.complete()  # a read with a second pass: every layer at once, now
     except AdapterFormatError as e:
         e.__traceback__ = e.__context__ = e.__cause__ = None
@@ -195,19 +200,24 @@ def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torc
     return None
 
 
+def _native_layers(path: Path, buffer: torch.Tensor, reads: list[tuple[int, int, int, int]], threads: int,
+                   progress: LayerProgress) -> None:
+    """The extension's layer-wise read: the file opened, read by every thread layer by layer (each complete layer
+    published into progress.flag as it lands) and closed, with the GIL released once."""
+    failed, times = _native_pread_layers(str(path), buffer.numpy(), reads, progress.layers, max(1, threads),
+                                         progress.flag.numpy())
+    progress.record(times)
+    if failed is not None:
+        i, at, err = failed
+        if i < 0:
+            raise AdapterFormatError(f"{path}: cannot open ({os.strerror(err)})")
+        raise _read_error(path, at, err, reads[i][1] + reads[i][3])
+
+
 def _pread_layers(fd: int, reads: list[tuple[int, int, int, int]], mv: memoryview, path: Path, threads: int,
                   progress: LayerProgress) -> None:
-    """The direct reads layer by layer, every thread on the same layer, reporting each complete layer."""
+    """The direct reads layer by layer, reporting each complete layer (Python fallback of `_native_layers`)."""
     layers = progress.layers
-    if _native_pread_layers is not None:
-        jobs = [(f, mv[o:o + n]) for _, f, o, n in reads]
-        failed, times = _native_pread_layers(fd, jobs, [lay_ for lay_, _, _, _ in reads], layers,
-                                             max(1, threads), progress.flag.numpy())
-        progress.record(times)
-        if failed is not None:
-            i, at, err = failed
-            raise _read_error(path, at, err, jobs[i][0] + jobs[i][1].nbytes)
-        return
     k = 0
     for layer in range(layers):
         jobs = []

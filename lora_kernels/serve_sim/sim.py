@@ -48,7 +48,7 @@ class LoadTiming:
     h2d_s: float  # measured copy time (0.0 for a host-only stage)
     cold: bool  # this load or stage read the adapter's folder
     # Layer-wise loads (None: the adapter is one unit): when each layer's host part was done, seconds from the
-    # host stage's start (non-decreasing, the last is host_s; None when not cold), and each layer's copy time.
+    # host stage's start (non-decreasing, each <= host_s; None when not cold), and each layer's copy time.
     host_layers: tuple[float, ...] | None = None
     h2d_layers: tuple[float, ...] | None = None
 
