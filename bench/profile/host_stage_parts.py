@@ -4,8 +4,9 @@ request waits for that layer).
 The bench_serving adapters' shape (Llama-3-8B dims, 8 layers), one rank at a time, page cache warm, buffers from
 the allocator's cache (pinned where CUDA is present): the median µs of each step of `reader.read_packed` done by
 hand (plan check, allocation, wrapping, read plan, the native layer-wise read up to its first and last layer), then
-the same read through `HostStager` with a busy Python thread beside it (the serving engine's scheduler thread),
-where the worker waits for the GIL before and after its read.
+the same read through `HostStager` (timed from its submit), alone and with a busy Python thread beside it (the
+serving engine's scheduler thread), where the worker waits for the GIL before and after its read, at several
+switch intervals.
 
     python bench/profile/host_stage_parts.py [--ranks 8,64] [--threads 4,8]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -54,9 +56,13 @@ def parts(path: Path, spec: ModelSpec, threads: int, pin: bool, reps: int) -> di
     return {n: statistics.median(r[i] for r in rows) * 1e6 for i, n in enumerate(names)}
 
 
-def staged(store: HostAdapterStore, busy: bool, reps: int) -> tuple[float, float, float]:
-    """(layer 0, last layer, stage end) µs through a one-worker stager; `busy`: a Python loop runs beside it."""
+def staged(store: HostAdapterStore, busy: bool, reps: int, switch: float | None = None) -> tuple[float, float, float]:
+    """(layer 0, last layer, stage end) µs through a one-worker stager, from the submit; `busy`: a Python loop runs
+    beside it; `switch`: the interpreter's switch interval meanwhile (seconds; None: as it is)."""
     stop = threading.Event()
+    old = sys.getswitchinterval()
+    if switch is not None:
+        sys.setswitchinterval(switch)
 
     def spin():
         x = 0
@@ -79,6 +85,7 @@ def staged(store: HostAdapterStore, busy: bool, reps: int) -> tuple[float, float
         stop.set()
         if th:
             th.join()
+        sys.setswitchinterval(old)
     return tuple(statistics.median(r[i] for r in rows) * 1e6 for i in range(3))
 
 
@@ -92,7 +99,7 @@ def main() -> None:
     pin = torch.cuda.is_available()
     root = Path(tempfile.gettempdir()) / "lora_kernels_host_parts"
     print(f"host stage parts, µs (median of {args.reps}); {'pinned' if pin else 'unpinned'} buffers; "
-          f"{os.cpu_count()} cores; switch interval {1e3 * __import__('sys').getswitchinterval():.1f} ms")
+          f"{os.cpu_count()} cores; switch interval {1e3 * sys.getswitchinterval():.1f} ms")
     for r in (int(x) for x in args.ranks.split(",")):
         path = root / f"r{r}"
         if not path.exists():
@@ -102,10 +109,10 @@ def main() -> None:
             print(f"  r{r:<3} {n} threads: " + ", ".join(f"{k} {v:.0f}" for k, v in p.items()))
             store = HostAdapterStore(spec, torch.bfloat16, pin=pin, read_threads=n)
             store.register_path("x", path)
-            for busy in (False, True):
-                l0, last, end = staged(store, busy, args.reps)
-                print(f"      stager{' beside a busy thread' if busy else ''}: layer 0 {l0:.0f}, last layer {last:.0f}, "
-                      f"end {end:.0f}")
+            for busy, switch in ((False, None), (True, None), (True, 5e-4), (True, 1e-4), (True, 2e-5)):
+                l0, last, end = staged(store, busy, args.reps, switch)
+                label = f" beside a busy thread, switch interval {1e3 * (switch or sys.getswitchinterval()):.2f} ms"
+                print(f"      stager{label if busy else ''}: layer 0 {l0:.0f}, last layer {last:.0f}, end {end:.0f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -138,6 +140,58 @@ bool parse_jobs(PyObject* seq, std::vector<Py_buffer>& views, std::vector<long l
 }
 
 constexpr size_t kLayerChunk = 1 << 20;  // a layer's jobs are cut into pieces of this size that the threads share
+
+// Reader threads kept for the life of the process: starting threads for every read cost ~15-20 µs each, paid
+// before a host stage's first layer lands. run(work, helpers) runs `work` on the caller and on up to `helpers`
+// pool threads at once, and returns when every copy has returned; concurrent calls share the threads.
+class ReadPool {
+ public:
+  void run(const std::function<void()>& work, size_t helpers) {
+    Job job{&work, helpers, 0};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (threads_ < std::min<size_t>(helpers, 63)) {
+        std::thread([this] { serve(); }).detach();
+        ++threads_;
+      }
+      jobs_.push_back(&job);
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lock(mu_);
+    job.wanted = 0;  // no helper joins from now on
+    jobs_.erase(std::find(jobs_.begin(), jobs_.end(), &job));
+    done_.wait(lock, [&] { return job.active == 0; });
+  }
+
+ private:
+  struct Job {
+    const std::function<void()>* work;
+    size_t wanted, active;
+  };
+  void serve() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return std::any_of(jobs_.begin(), jobs_.end(), [](Job* j) { return j->wanted > 0; }); });
+      Job* job = *std::find_if(jobs_.begin(), jobs_.end(), [](Job* j) { return j->wanted > 0; });
+      --job->wanted;
+      ++job->active;
+      lock.unlock();
+      (*job->work)();
+      lock.lock();
+      if (--job->active == 0) done_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, done_;
+  std::vector<Job*> jobs_;
+  size_t threads_ = 0;
+};
+
+ReadPool& read_pool() {
+  static ReadPool* pool = new ReadPool();  // never destroyed: its threads outlive static destructors
+  return *pool;
+}
 
 }  // namespace
 
@@ -267,10 +321,7 @@ Failure read_by_layer(int fd, char* base, const std::vector<Read>& reads, int nl
   };
   const size_t t = std::max<size_t>(1, std::min<size_t>({static_cast<size_t>(std::max(threads, 1)), pieces.size(), 64}));
   advance();  // leading layers with no bytes
-  std::vector<std::thread> pool;
-  for (size_t k = 1; k < t; ++k) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
+  read_pool().run(work, t - 1);
   return failed;
 }
 

@@ -16,8 +16,9 @@ never reads a file and several cold adapters are read at once:
   miss queues `store.get(id)` on the worker; a second submit of an id whose read is in flight joins it.
 - `stage.result()` is the `PackedAdapter` (it re-raises the worker's error, e.g. AdapterFormatError
   naming the file); `stage.cold` is True for the submit that started the read, and `stage.seconds` is
-  that read's wall time on the worker (0.0 for hits and joins, so no read is counted twice). Wall
-  time, not CPU time: waiting on the disk is part of the cost.
+  that read's wall time (0.0 for hits and joins, so no read is counted twice), from its submit when a
+  worker was idle (waking the worker, which takes the GIL, is part of the cost), else from the
+  worker's start. Wall time, not CPU time: waiting on the disk is part of the cost.
 - The stage holds its `PackedAdapter`: if the store drops it (LRU) before the H2D copy is issued, the
   buffer stays alive and the copy is still right.
 - Layer-wise (`HostStager(..., layerwise=True)`): a cold read reports each layer as it lands
@@ -44,7 +45,8 @@ class HostStage:
     def __init__(self, adapter_id: Hashable, future: Future, cold: bool, progress: LayerProgress | None = None):
         self.adapter_id, self.future, self.cold, self.progress = adapter_id, future, cold, progress
         self._seconds = 0.0
-        self._t0 = 0.0  # monotonic start of the read on the worker
+        self._t0 = 0.0  # monotonic start of the read: its submit when a worker was idle, else the worker's start
+        self._submitted: float | None = None  # set when an idle worker takes it: the hand-off counts as its time
 
     @property
     def layer_seconds(self) -> tuple[float, ...] | None:
@@ -84,6 +86,7 @@ class HostStager:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lora-host-stage")
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, HostStage] = {}
+        self._running = 0  # cold reads submitted and not finished
         self.stats = {"hits": 0, "reads": 0, "joins": 0, "errors": 0, "read_s": 0.0}
 
     def submit(self, adapter_id: Hashable) -> HostStage:
@@ -100,12 +103,15 @@ class HostStager:
                 return HostStage(adapter_id, done, cold=False)
             progress = LayerProgress(self.store.spec.layers, self.store.pin) if self.layerwise else None
             stage = HostStage(adapter_id, Future(), cold=True, progress=progress)
+            if self._running < self.workers:  # an idle worker takes it now: waking it is part of the stage
+                stage._submitted = time.monotonic()
+            self._running += 1
             self._inflight[adapter_id] = stage
             self._pool.submit(self._read, stage)
             return stage
 
     def _read(self, stage: HostStage) -> None:
-        t0 = stage._t0 = time.monotonic()
+        t0 = stage._t0 = stage._submitted if stage._submitted is not None else time.monotonic()
         packed, error = None, None
         try:
             p = stage.progress
@@ -118,6 +124,7 @@ class HostStager:
         # Out of the in-flight table before the waiter wakes: a done stage is never found there (a later
         # submit of the id then hits the store, or reads again after an error).
         with self._lock:
+            self._running -= 1
             if self._inflight.get(stage.adapter_id) is stage:
                 del self._inflight[stage.adapter_id]
             if error is None:

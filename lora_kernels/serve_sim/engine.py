@@ -17,6 +17,12 @@ for their loads, waiting on the GPU before each layer for that layer's copy (`ac
 `wait_layer`). `load_seconds` reports the per-layer host and copy times, which the simulator places layer by
 layer. In real time the engine still issues a load's copies once its host stage is done, as above.
 
+The host-stage workers are Python threads: each read takes the GIL a few times (starting, around the
+native read), and with Python's default switch interval (5 ms) a worker waits up to that long each time
+while this scheduler thread runs Python (H200 host: a worker's first layer landed 11-16 ms after its submit
+beside a busy Python thread, against 0.26-0.6 ms alone; `bench/profile/host_stage_parts.py`). The engine
+sets the interval to `SWITCH_INTERVAL_S` while it lives, as a serving engine with host threads must.
+
 `timed_layers` (None: all) runs only the last k of the model's L layers in each step and charges the
 measured time x L/k: every layer has the same shapes and kernels, so this estimates the full step in k/L
 of the device time (the bench reports how close the estimate is, step by step, against all L layers).
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +52,8 @@ from lora_kernels.serve_sim.model import LinearStack
 from lora_kernels.serve_sim.records import Records
 from lora_kernels.serve_sim.scheduler import StepPlan
 from lora_kernels.serve_sim.sim import LoadTiming, StepTiming
+
+SWITCH_INTERVAL_S = 1e-4  # the GIL hand-off a host-stage worker waits for at most (see the module docstring)
 
 
 def parse_host_budget(spec: str) -> tuple[str, float]:
@@ -103,6 +112,8 @@ class ModelEngine:
         self.keys = [f"adapter_{k:03d}" for k in range(len(adapter_dirs))]
         self._index = {key: k for k, key in enumerate(self.keys)}
         # Tensor parallelism (--tp): this rank's shard of the adapters and of the base layers (adapters/tp.py).
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.tp_size = tp_size
         if layerwise and tp_size > 1:
             raise ValueError("layer-wise loads are not supported under tensor parallelism (tp_size > 1)")
@@ -143,6 +154,7 @@ class ModelEngine:
 
     def close(self) -> None:
         self.stager.close()
+        sys.setswitchinterval(self._switch_interval)
 
     def host_capacity_adapters(self) -> float:
         """The host budget in adapters of the mean packed size (inf: every adapter)."""
