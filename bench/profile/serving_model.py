@@ -1,14 +1,16 @@
 """What-if model of bench_serving's scenarios on the CPU: which load-path change could close issue 20's zipf gap?
 
-    python bench/profile/serving_model.py                                   (today's costs)
-    python bench/profile/serving_model.py --host-scale 0.5 --layerwise-ms 1.8
+    python bench/profile/serving_model.py --layerwise both                  (medians, layers even)
+    python bench/profile/serving_model.py --stages-from out/serving.jsonl  (a GPU run's own stage times)
+    python bench/profile/serving_model.py --stages-from out/serving.jsonl --host-scale 0.5
 
 The real scheduler and simulator (lora_kernels.serve_sim) replay bench_serving.py's traces (same scenario,
 seeds, loads, policies, oracle and statistics), but the engine is a cost model, not the GPU: a step takes
 a + b * rows, a host stage and a copy take the median times measured per adapter rank by the H200 serving run
-of bda3755 (bench/RESULTS.md), and the host tier is an LRU by bytes of the same 25% budget. With a = 1.8 ms and
-b = 7 µs the model gives overlap+prefetch's TTFT p50 at 0.8 load 1.127x the oracle in zipf:1.5 and 1.544x in
-distinct, against 1.121x and 1.680x measured: a tool to rank ideas before building them, never a result.
+of de11cbf (bench/RESULTS.md) or, with --stages-from, every load a run measured, and the host tier is an LRU by
+bytes of the same 25% budget. A tool to rank ideas before building them, never a result: the zipf:1.5 TTFT p50
+ratio moves by +-0.05 between runs of the same code (on the GPU and here alike), so only changes well beyond that
+show.
 
 Changes it can model:
   --host-scale / --copy-scale  a faster host stage or copy (e.g. 0.5: twice as fast)
@@ -16,6 +18,7 @@ Changes it can model:
   --stages-from F.jsonl        replay the stage times a bench_serving run measured (its "stage times" row: every
                                layer-wise load's host stage, layer ends, copy and copy spans, by rank), cycling
                                through them per rank, instead of the medians below (implies --layerwise both)
+  --cut-ms C                   C ms of fixed cost taken off the start of each replayed host stage
   --layerwise host|copy|both   layer-wise loads, placed by the simulator layer by layer (LoadTiming's host_layers
                                and h2d_layers): a step may start before the adapter's last layers are in place,
                                and stops at a layer that is late. "copy": the host stage is one unit, its copy is
@@ -90,6 +93,10 @@ class ModelEngine:
             hs, cs = args.host_scale, args.copy_scale
             host_s, h2d_s = host_s * hs, h2d_s * cs
             host_layers = [t * hs for t in host_layers] if host_layers else host_layers
+            cut = args.cut_ms * 1e-3  # a fixed cost removed from the stage's start
+            if cut and host_layers:
+                host_layers = [max(t - cut, 2e-5 * (k + 1)) for k, t in enumerate(host_layers)]
+                host_s = max(host_s - cut, host_layers[-1])
             h2d_layers = [t * cs for t in h2d_layers] if h2d_layers else h2d_layers
             return LoadTiming(host_s if cold else 0.0, h2d_s if load else 0.0, cold,
                               tuple(host_layers) if cold and host_layers else None,
@@ -118,6 +125,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--layerwise", choices=("none", "host", "copy", "both"), default="none")
     p.add_argument("--stages-from", default=None)
+    p.add_argument("--cut-ms", type=float, default=0.0)
     p.add_argument("--step-a-ms", type=float, default=1.8)
     p.add_argument("--step-b-us", type=float, default=7.0)
     p.add_argument("--seeds", type=int, default=5)

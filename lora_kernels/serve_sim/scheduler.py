@@ -107,7 +107,8 @@ class AdapterState:
 
     def is_ready(self, a, now: float, rows: int = 0) -> bool:
         """True if a step of at least `rows` rows starting at `now` may use adapter `a`: its load is done, or it is
-        a layer-wise load whose every layer is in place when a step of that size reaches it."""
+        a layer-wise load whose layer 0 is in place and whose every later layer will be when a step of that size
+        reaches it (the simulator knows when each layer lands; an engine would extrapolate from the layers so far)."""
         t = self.ready_at.get(a, float("inf"))
         if t is not None and t <= now:
             return True
