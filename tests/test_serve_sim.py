@@ -304,8 +304,20 @@ TINY = dict(model="tiny", layers=1, adapters=5, slots=2, ranks="4,8,16", rate=40
 
 @pytest.fixture(scope="module")
 def cpu_report(tmp_path_factory):
-    cfg = SimConfig(**TINY, dist="uniform", cache_dir=str(tmp_path_factory.mktemp("cache")))
+    # Whole loads: blocking's stall then covers every folder read (a layer-wise load's copy starts at the read's
+    # last layer, before the stage's own bookkeeping ends). Layer-wise runs: test_layerwise_outputs_identical_...
+    cfg = SimConfig(**TINY, dist="uniform", cache_dir=str(tmp_path_factory.mktemp("cache")), layerwise=False)
     return run_sim(cfg)
+
+
+def test_layerwise_outputs_identical_across_policies(tmp_path):
+    """Layer-wise loads (the default; 3 layers here): every policy's outputs are the same bits."""
+    cfg = SimConfig(**{**TINY, "layers": 3}, dist="uniform", cache_dir=str(tmp_path))
+    assert cfg.layerwise
+    report = run_sim(cfg)
+    chk = report.check["torch"]
+    assert chk["identical"] and chk["requests"] == 14 and chk["positions_compared"] > 0
+    assert all(res.loads > 0 for res in report.results["uniform"].values())
 
 
 def test_outputs_identical_across_policies(cpu_report):

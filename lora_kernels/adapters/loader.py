@@ -124,8 +124,8 @@ class _CopyIssuer:
 
     def issue_layered(self, slot: int, packed: PackedAdapter, waits: Iterable[torch.cuda.Event],
                       progress: LayerProgress | None) -> tuple[torch.cuda.Event | None, list[torch.cuda.Event]]:
-        """Enqueues the load layer by layer; returns (an event before the first copy, each layer's completion event)
-        ((None, []) for a CPU pool: the copies are done). With `progress`, layer l's copy first waits on the GPU
+        """Enqueues the load layer by layer; returns (an event after the header's copy, before any layer's, each
+        layer's completion event) ((None, []) for a CPU pool: the copies are done). With `progress`, layer l's copy first waits on the GPU
         for the host stage to have read layer l."""
         staged = packed.rank < self.pool.max_rank
         buf = 0
@@ -289,7 +289,7 @@ class _SlotTable:
     def layer_events(self, adapter_id: Hashable) -> list[torch.cuda.Event] | None:
         """Each layer's completion event (timing enabled) of a layer-wise load in flight, else None."""
         slot = self._slot_of.get(adapter_id)
-        return None if slot is None or not self.is_loading(slot) else self._layer_events[slot]
+        return None if slot is None or not self.is_loading(slot) else self._layer_events[slot][1:]
 
     def in_use_ids(self) -> list[Hashable]:
         return [a for a, s in self._slot_of.items() if self._refs[s] > 0]
@@ -429,10 +429,10 @@ class AdapterLoader(_SlotTable):
         waits = list(self._release_events[slot].values())
         self._release_events[slot].clear()
         if self.layerwise or progress is not None:
-            _, layers = self._issuer.issue_layered(slot, packed, waits, progress)
+            header, layers = self._issuer.issue_layered(slot, packed, waits, progress)
             ev = layers[-1] if layers else None
             if ev is not None:
-                self._layer_events[slot] = layers
+                self._layer_events[slot] = [header, *layers]  # the header (rank, scaling) first
                 self._load_progress[slot] = progress
         else:
             ev = self._issuer.issue(slot, packed, waits)
@@ -457,8 +457,9 @@ class AdapterLoader(_SlotTable):
         """Slots for a batch (None -> -1, no LoRA), loading what is missing; pins them until `release`.
 
         The current stream waits (on the GPU) for loads still in flight; the host does not block.
-        layerwise: it does not; the caller must call `wait_layer(l)` before the batch's first kernel that
-        reads layer l (a load that is not layer-wise is waited for whole, here).
+        layerwise: it waits only for a layer-wise load's header (rank, scaling); the caller must call
+        `wait_layer(l)` before the batch's first kernel that reads layer l (a load that is not layer-wise is
+        waited for whole, here).
         Each id counts once per occurrence; release the same list after the batch is enqueued.
         """
         ids = list(adapter_ids)
@@ -496,7 +497,8 @@ class AdapterLoader(_SlotTable):
             for s in set(pinned):
                 if self.is_loading(s):
                     if layerwise and self._layer_events[s] is not None:
-                        self._batch_layers.append(self._layer_events[s])
+                        stream.wait_event(self._layer_events[s][0])  # rank and scaling: any kernel reads them
+                        self._batch_layers.append(self._layer_events[s][1:])
                     else:
                         stream.wait_event(self._load_event[s])
                     self.stats["stall_events"] += 1
