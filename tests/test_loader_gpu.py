@@ -443,3 +443,18 @@ def test_layerwise_host_failure_releases_the_gpu_and_fails_only_that_load():
     assert list(failed) == ["bad"] and "vanished" in str(failed["bad"])
     assert loader.slot_of("bad") is None and not loader.take_failures()
     check_slot(pool, slots[1], ws["good"])
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_layer_events_only_for_layerwise_loads_in_flight(layerwise):
+    """layer_events: one event per layer while a layer-wise load is in flight; None for a whole load."""
+    pool, store, _ = _setup(2, 16, {"a": AdapterWeights.random(SPEC, 8, seed=3)})
+    loader = AdapterLoader(pool, store, layerwise=layerwise)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the load queues behind this on the GPU
+    loader.load_stream.wait_stream(torch.cuda.current_stream())
+    loader.load_async("a")
+    events = loader.layer_events("a")
+    assert (len(events) == SPEC.layers) if layerwise else events is None
+    assert loader.load_event("a") is not None
+    torch.cuda.synchronize()
+    assert loader.layer_events("a") is None and loader.is_ready("a")

@@ -289,7 +289,8 @@ class _SlotTable:
     def layer_events(self, adapter_id: Hashable) -> list[torch.cuda.Event] | None:
         """Each layer's completion event (timing enabled) of a layer-wise load in flight, else None."""
         slot = self._slot_of.get(adapter_id)
-        return None if slot is None or not self.is_loading(slot) else self._layer_events[slot][1:]
+        events = None if slot is None or not self.is_loading(slot) else self._layer_events[slot]
+        return None if events is None else events[1:]
 
     def in_use_ids(self) -> list[Hashable]:
         return [a for a, s in self._slot_of.items() if self._refs[s] > 0]
