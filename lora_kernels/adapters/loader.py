@@ -125,8 +125,8 @@ class _CopyIssuer:
     def issue_layered(self, slot: int, packed: PackedAdapter, waits: Iterable[torch.cuda.Event],
                       progress: LayerProgress | None) -> tuple[torch.cuda.Event | None, list[torch.cuda.Event]]:
         """Enqueues the load layer by layer; returns (an event after the header's copy, before any layer's, each
-        layer's completion event) ((None, []) for a CPU pool: the copies are done). With `progress`, layer l's copy first waits on the GPU
-        for the host stage to have read layer l."""
+        layer's completion event) ((None, []) for a CPU pool: the copies are done). With `progress`, layer l's
+        copy first waits on the GPU for the host stage to have read layer l."""
         staged = packed.rank < self.pool.max_rank
         buf = 0
         if staged and self.load_stream is not None:

@@ -10,7 +10,10 @@ slot's (B rescaled in float64). Rows that no tensor writes (module ranks below t
 adapter lacks) are zeroed, since the allocator hands back reused blocks.
 
 Large files are read by `read_threads` threads over disjoint byte ranges: from the page cache one thread
-copies at a few GB/s, so a single thread would cap the host stage. With the extension built, one call of its
+copies at a few GB/s, so a single thread would cap the host stage. A layer-wise read (`progress` given: a
+load can copy layer l while later layers are still read) cuts layer 0's tensors, then layer 1's, ... into
+pieces of 1 MB that every thread takes in turn, and publishes each complete layer (`progress.py`); with the
+extension, its open, reads and close run in one call on kept threads, the GIL released once. With the extension built, one call of its
 `pread_into` runs those threads and every read with the GIL released once (without it: a Python thread pool
 and one `os.preadv` per tensor, each retaking the GIL, which waits while another thread runs Python: a
 worker beside a busy Python thread read a rank-8 adapter in 169 ms that way, 55 ms with one GIL release per
