@@ -19,6 +19,8 @@ Changes it can model:
                                layer-wise load's host stage, layer ends, copy and copy spans, by rank), cycling
                                through them per rank, instead of the medians below (implies --layerwise both)
   --cut-ms C                   C ms of fixed cost taken off the start of each replayed host stage
+  --prefix-layers K            the first K layers of every adapter kept in host memory, out of the same budget:
+                               a cold read starts at layer K (with --stages-from)
   --layerwise host|copy|both   layer-wise loads, placed by the simulator layer by layer (LoadTiming's host_layers
                                and h2d_layers): a step may start before the adapter's last layers are in place,
                                and stops at a layer that is late. "copy": the host stage is one unit, its copy is
@@ -61,7 +63,11 @@ class ModelEngine:
             for r, v in stage["layers_by_rank"].items():  # rows [host layers, copy spans] before 7379000's successor
                 self.samples[int(r)] = [x if len(x) == 4 else [x[0][-1] if x[0] else 0.0, x[0], sum(x[1] or ()), x[1]]
                                         for x in v]
-        self.capacity = 0.25 * sum(self.size)
+        # --prefix-layers k: the first k of L layers of every adapter always in host memory, out of the same budget
+        # (a cold read then starts at layer k; whole adapters share what is left).
+        self.capacity = 0.25 * sum(self.size) - args.prefix_layers / 8 * sum(self.size)
+        if self.capacity < max(self.size):
+            raise SystemExit(f"--prefix-layers {args.prefix_layers} leaves no room for a whole adapter")
 
     def reset(self):
         self.host = OrderedDict()
@@ -93,6 +99,12 @@ class ModelEngine:
             hs, cs = args.host_scale, args.copy_scale
             host_s, h2d_s = host_s * hs, h2d_s * cs
             host_layers = [t * hs for t in host_layers] if host_layers else host_layers
+            k = args.prefix_layers
+            if k and cold and host_layers:  # layers [0, k) are in host memory: the read starts at layer k, with
+                # the stage's fixed cost is still paid; k layers' reads (at the stage's pace) are not
+                base = k * (host_layers[-1] - host_layers[0]) / (len(host_layers) - 1)
+                host_layers = [0.0] * k + [t - base for t in host_layers[k:]]
+                host_s = max(host_s - base, host_layers[-1])
             cut = args.cut_ms * 1e-3  # a fixed cost removed from the stage's start
             if cut and host_layers:
                 host_layers = [max(t - cut, 2e-5 * (k + 1)) for k, t in enumerate(host_layers)]
@@ -126,6 +138,7 @@ def main() -> None:
     p.add_argument("--layerwise", choices=("none", "host", "copy", "both"), default="none")
     p.add_argument("--stages-from", default=None)
     p.add_argument("--cut-ms", type=float, default=0.0)
+    p.add_argument("--prefix-layers", type=int, default=0)
     p.add_argument("--step-a-ms", type=float, default=1.8)
     p.add_argument("--step-b-us", type=float, default=7.0)
     p.add_argument("--seeds", type=int, default=5)
