@@ -102,3 +102,34 @@ def test_sim_places_layers_and_charges_a_late_layer():
     assert cache.step_end(1.0, 2.0, {"x"}) == pytest.approx(4.0 + 0.5)
     cache.set_ready("x", [3.0], walk_s=2.0)  # a whole load: one entry
     assert cache.ready_at["x"] == 3.0 and "x" not in cache.layers_at
+
+
+def test_concurrent_layerwise_reads_share_the_reader_pool(tmp_path):
+    """Several workers read at once through the process-wide reader threads: every buffer is right, every read
+    reports all its layers, and none waits on another's helpers (the pool is shared, never exclusive)."""
+    import threading
+
+    names = [f"a{i}" for i in range(6)]
+    for i, n in enumerate(names):
+        write_adapter(tmp_path / n, SPEC, 4 + 4 * (i % 2), torch.bfloat16, seed=i)
+    want = {n: reader.read_packed(n, tmp_path / n, SPEC, torch.bfloat16, pin=False) for n in names}
+    errors = []
+
+    def work(n):
+        try:
+            for _ in range(5):
+                p = LayerProgress(SPEC.layers, pin=False)
+                got = reader.read_packed(n, tmp_path / n, SPEC, torch.bfloat16, pin=False, progress=p, read_threads=4)
+                assert p.count == SPEC.layers and len(p.times) == SPEC.layers
+                for key in want[n].a:
+                    assert torch.equal(got.a[key], want[n].a[key]) and torch.equal(got.b[key], want[n].b[key])
+        except BaseException as e:  # reported below, on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a read hung"
+    assert not errors, errors

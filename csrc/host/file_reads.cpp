@@ -189,8 +189,17 @@ class ReadPool {
 };
 
 ReadPool& read_pool() {
-  static ReadPool* pool = new ReadPool();  // never destroyed: its threads outlive static destructors
-  return *pool;
+  // Never destroyed: its threads outlive static destructors. A forked child has none of the parent's threads (and
+  // maybe a mutex held at the fork), so it starts a pool of its own.
+  static std::atomic<ReadPool*> pool{nullptr};
+  static std::atomic<pid_t> owner{0};
+  static std::mutex make;
+  std::lock_guard<std::mutex> lock(make);
+  if (pool.load() == nullptr || owner.load() != getpid()) {
+    pool.store(new ReadPool());
+    owner.store(getpid());
+  }
+  return *pool.load();
 }
 
 }  // namespace
