@@ -204,10 +204,30 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _header_srcs(buffer: torch.Tensor) -> list[torch.Tensor]:
+    return [buffer[:4], buffer[4:HEADER_BYTES]]
+
+
+def _header_dsts(pool, slot: int) -> list[torch.Tensor]:
+    return [_bytes(pool.lora_ranks[slot:slot + 1]), _bytes(pool.scalings[slot:slot + 1])]
+
+
+def _a_slice_srcs(layout: PackedLayout, key: Key, buffer: torch.Tensor, num_slices: int) -> list[torch.Tensor]:
+    """An A block's slices (r rows each) of the packed buffer: each lands in its own R-row slot range."""
+    a = layout.a[key].view(buffer)
+    step = a.numel() // num_slices
+    return [a[i * step:(i + 1) * step] for i in range(num_slices)]
+
+
+def _a_slice_dsts(pool, key: Key, slot: int, r: int, num_slices: int) -> list[torch.Tensor]:
+    a, R = pool.lora_a[key[0]][key[1]][slot], pool.max_rank
+    return [_bytes(a[i * R:i * R + r]) for i in range(num_slices)]
+
+
 def source_views(layout: PackedLayout, buffer: torch.Tensor, spec: ModelSpec, max_rank: int) -> list[torch.Tensor]:
     """Host byte views of `buffer` in the copy order `dest_plan` uses for a pool of max rank `max_rank`."""
     r = layout.rank
-    srcs = [buffer[:4], buffer[4:HEADER_BYTES]]
+    srcs = _header_srcs(buffer)
     if r == max_rank:
         for key in layout.keys:
             srcs += [layout.a[key].view(buffer), layout.b[key].view(buffer)]
@@ -215,9 +235,7 @@ def source_views(layout: PackedLayout, buffer: torch.Tensor, spec: ModelSpec, ma
     for key in _staging_order(layout.keys):  # B blocks first: their scatter overlaps the A copies
         srcs.append(layout.b[key].view(buffer))
     for key in layout.keys:
-        a = layout.a[key].view(buffer)
-        step = a.numel() // spec.group(key[1]).num_slices
-        srcs += [a[i * step:(i + 1) * step] for i in range(spec.group(key[1]).num_slices)]
+        srcs += _a_slice_srcs(layout, key, buffer, spec.group(key[1]).num_slices)
     return srcs
 
 
@@ -247,7 +265,7 @@ def staging_numel(spec: ModelSpec, rank: int) -> int:
 def dest_plan(layout: PackedLayout, pool, slot: int, staging: torch.Tensor | None) -> DestPlan:
     """The pool-side half of a load of `layout` into `slot` (pairs with `source_views`)."""
     spec, r, R = pool.spec, layout.rank, pool.max_rank
-    dsts = [_bytes(pool.lora_ranks[slot:slot + 1]), _bytes(pool.scalings[slot:slot + 1])]
+    dsts = _header_dsts(pool, slot)
     present = set(layout.keys)
     zero = [pool.lora_a[layer][g.name][slot] for layer in range(spec.layers) for g in spec.groups
             if (layer, g.name) not in present]
@@ -270,9 +288,8 @@ def dest_plan(layout: PackedLayout, pool, slot: int, staging: torch.Tensor | Non
         else:
             scatter += [(stacked[layer, slot, :, :r], st[i]) for i, layer in enumerate(layers)]
     split = len(dsts)
-    for layer, g in layout.keys:
-        a = pool.lora_a[layer][g][slot]
-        dsts += [_bytes(a[i * R:i * R + r]) for i in range(spec.group(g).num_slices)]
+    for key in layout.keys:
+        dsts += _a_slice_dsts(pool, key, slot, r, spec.group(key[1]).num_slices)
     return DestPlan(dsts, scatter, zero, split, off * staging.element_size())
 
 
@@ -293,8 +310,7 @@ class LayerCopy:
 
 def header_copy(buffer: torch.Tensor, pool, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(sources, destinations) of the header: rank and scaling into the pool's per-slot entries."""
-    return ([buffer[:4], buffer[4:HEADER_BYTES]],
-            [_bytes(pool.lora_ranks[slot:slot + 1]), _bytes(pool.scalings[slot:slot + 1])])
+    return _header_srcs(buffer), _header_dsts(pool, slot)
 
 
 def layer_copies(layout: PackedLayout, buffer: torch.Tensor, pool, slot: int,
@@ -324,14 +340,12 @@ def layer_copies(layout: PackedLayout, buffer: torch.Tensor, pool, slot: int,
                 scatter.append((pool.lora_b_stacked[key[1]][layer, slot, :, :r], st))
         split = len(dsts)
         for key in keys:
-            g = spec.group(key[1])
-            a_src, a_dst = layout.a[key].view(buffer), pool.lora_a[layer][key[1]][slot]
             if r == R:
-                srcs += [a_src, layout.b[key].view(buffer)]
-                dsts += [_bytes(a_dst), _bytes(pool.lora_b[layer][key[1]][slot])]
+                srcs += [layout.a[key].view(buffer), layout.b[key].view(buffer)]
+                dsts += [_bytes(pool.lora_a[layer][key[1]][slot]), _bytes(pool.lora_b[layer][key[1]][slot])]
                 continue
-            step = a_src.numel() // g.num_slices
-            srcs += [a_src[i * step:(i + 1) * step] for i in range(g.num_slices)]
-            dsts += [_bytes(a_dst[i * R:i * R + r]) for i in range(g.num_slices)]
+            n = spec.group(key[1]).num_slices
+            srcs += _a_slice_srcs(layout, key, buffer, n)
+            dsts += _a_slice_dsts(pool, key, slot, r, n)
         plans.append(LayerCopy(srcs, dsts, split, scatter, zero))
     return plans
