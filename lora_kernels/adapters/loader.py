@@ -75,11 +75,17 @@ class _CopyIssuer:
             self._dst_plans[key] = plan
         return plan
 
+    def _next_staging(self, rank: int) -> int:
+        """The staging buffer a load of `rank` writes its B blocks to: the one whose scatter is the older (0 when
+        it has none to stage, or on a CPU pool, where copies are synchronous)."""
+        if rank >= self.pool.max_rank or self.load_stream is None:
+            return 0
+        buf, self._staging_next = self._staging_next, (self._staging_next + 1) % _STAGING_BUFFERS
+        return buf
+
     def issue(self, slot: int, packed: PackedAdapter, waits: Iterable[torch.cuda.Event]):
         """Enqueues the load; returns its completion event (None for a CPU pool: the copies are done)."""
-        buf = 0
-        if packed.rank < self.pool.max_rank and self.load_stream is not None:
-            buf, self._staging_next = self._staging_next, (self._staging_next + 1) % _STAGING_BUFFERS
+        buf = self._next_staging(packed.rank)
         srcs, plan = self.sources(packed), self.dests(slot, packed, buf)
         if self.load_stream is None:
             batched_h2d_copy(srcs, plan.dsts, backend=self.backend, check=False)
@@ -128,9 +134,7 @@ class _CopyIssuer:
         layer's completion event) ((None, []) for a CPU pool: the copies are done). With `progress`, layer l's
         copy first waits on the GPU for the host stage to have read layer l."""
         staged = packed.rank < self.pool.max_rank
-        buf = 0
-        if staged and self.load_stream is not None:
-            buf, self._staging_next = self._staging_next, (self._staging_next + 1) % _STAGING_BUFFERS
+        buf = self._next_staging(packed.rank)
         staging = self._staging_buffer(buf, packed.rank) if staged else None
         key = ("layers", self.pool, slot, buf)  # the pool itself: an id could be reused
         plans = packed.plans.get(key)
@@ -313,10 +317,7 @@ class _SlotTable:
             return
         if not self._evictable(slot):
             raise RuntimeError(f"cannot unload adapter {adapter_id!r}: it is acquired or still loading")
-        del self._slot_of[adapter_id]
-        self._id_of[slot] = None
-        self._drop_on_release.discard(slot)
-        self._free.append(slot)
+        self._forget(slot)
 
     def _take_slot(self, adapter_id: Hashable, victim: Hashable | None) -> int:
         if victim is not None:
