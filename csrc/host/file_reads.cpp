@@ -113,7 +113,7 @@ bool read_header(const char* path, long long& size, std::string& header) {
   return ok;
 }
 
-// Seconds on CLOCK_MONOTONIC, the clock of Python's time.perf_counter on Linux.
+// Seconds on CLOCK_MONOTONIC, the clock of Python's time.monotonic (and time.perf_counter) on Linux.
 double monotonic_s() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -235,8 +235,8 @@ PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
   std::vector<long long> offsets;
   Py_ssize_t got = 0;
   const bool ok = parse_jobs(seq, views, offsets, got);
-  // Contiguous runs of jobs of about equal bytes, one per thread (the first on this one); the GIL is released
-  // for all of them. The first failure in job order is reported.
+  // Contiguous runs of jobs of about equal bytes, taken in turn by this thread and the kept reader threads; the GIL
+  // is released for all of them. The first failure in job order is reported.
   Failure failed;
   if (ok && n > 0) {
     long long total = 0;
@@ -252,12 +252,12 @@ PyObject* pread_into(PyObject* /*self*/, PyObject* args) {
     if (bounds.back() != n) bounds.push_back(n);
     const size_t runs = bounds.size() - 1;
     std::vector<Failure> fails(runs);
+    std::atomic<size_t> next{0};
+    const std::function<void()> work = [&] {
+      for (size_t k; (k = next.fetch_add(1)) < runs;) fails[k] = read_run(fd, views, offsets, bounds[k], bounds[k + 1]);
+    };
     Py_BEGIN_ALLOW_THREADS
-    std::vector<std::thread> pool;
-    for (size_t k = 1; k < runs; ++k)
-      pool.emplace_back([&, k] { fails[k] = read_run(fd, views, offsets, bounds[k], bounds[k + 1]); });
-    fails[0] = read_run(fd, views, offsets, bounds[0], bounds[1]);
-    for (auto& th : pool) th.join();
+    read_pool().run(work, runs - 1);
     Py_END_ALLOW_THREADS
     for (const Failure& f : fails) {
       if (f.job >= 0) {
