@@ -122,6 +122,11 @@ class AdapterState:
         b = max(rows, 1).bit_length() - 1
         self.walks[b] = min(self.walks.get(b, compute_s), compute_s)
 
+    def shortest_step(self) -> float:
+        """The shortest step measured so far (0.0 before the first): a layer-wise load's step may start before its
+        last layer lands."""
+        return min(self.walks.values(), default=0.0)
+
     def walk(self, rows: int) -> float:
         """A measured lower bound on a step of `rows` rows or more: the largest of the shortest steps seen in the
         row buckets below it (steps grow with their rows; a wrong guess is charged exactly by `step_end`)."""

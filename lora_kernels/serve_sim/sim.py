@@ -107,7 +107,6 @@ class _Resources:
         self.copy_free = 0.0
         self.host_done: dict = {}  # adapter -> simulated end of the host stage that last read it
         self.pending: list = []  # (adapter, handle, issue time, is a GPU load) of loads/stages not yet measured
-        self.walk_s = 0.0  # the shortest step so far: a layer-wise load's step may start before its last layer
 
     def issue(self, plan: StepPlan, at: float) -> None:
         for a, v in plan.loads:
@@ -155,7 +154,7 @@ class _Resources:
                 end = start if self.free else start + seconds
                 self.copy_free = max(self.copy_free, end)
                 ready.append(end)
-            self.cache.set_ready(a, ready, self.walk_s)
+            self.cache.set_ready(a, ready, self.cache.shortest_step())
             res.timeline.append(("copy", ready[0] - spans[0][1] if not self.free else first, ready[-1], "load"))
         self.pending.clear()
         self.cache.host = self.engine.host_resident()
@@ -212,7 +211,6 @@ def simulate(trace: Sequence[Request], cfg: SchedulerConfig, engine: Engine,
             res.step_stall_s += stall
             res.timeline.append(("compute", now, now + stall, "stall"))
             start = now + stall
-        rs.walk_s = timing.compute_s if res.steps == 0 else min(rs.walk_s, timing.compute_s)
         cache.observe_step(plan.num_tokens, timing.compute_s)
         prefill = any(r.pos < r.req.prompt_len for r, _ in plan.batch)
         res.timeline.append(("compute", start, end, "prefill" if prefill else "decode"))
