@@ -366,7 +366,7 @@ def main() -> int:
                    f"{cfg.spec().layers} when layers land evenly): {shares}.", ""]
         common.write_jsonl(args.json, [{"scenario": "stage times", "host_stage_ms_by_rank": host_ms,
                                         "copy_ms_by_rank": copy_ms, "layer_shares": shares,
-                                        "layers_by_rank": {r: v for r, v in engine.layers.items()}}])
+                                        "layers_by_rank": engine.layers}])
         (out_dir / "bench_serving.md").write_text("\n".join(md) + "\n")
         log(f"-- done in {time.perf_counter() - t_start:.0f} s; {out_dir / 'bench_serving.md'}")
     finally:
