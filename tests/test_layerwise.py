@@ -133,3 +133,78 @@ def test_concurrent_layerwise_reads_share_the_reader_pool(tmp_path):
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a read hung"
     assert not errors, errors
+
+
+def _started_stager_store(tmp_path, names):
+    store = HostAdapterStore(SPEC, torch.bfloat16, pin=False)
+    for i, n in enumerate(names):
+        write_adapter(tmp_path / n, SPEC, 4, torch.bfloat16, seed=i)
+        store.register_path(n, tmp_path / n)
+    return store
+
+
+def test_a_layerwise_stage_starts_its_read_on_the_submitting_thread(tmp_path):
+    """With the extension, a layer-wise read starts inside `submit` (no worker hand-off before its first byte): the
+    buffer is published when submit returns, the stage is timed from its submit, and the bytes are the whole read's."""
+    if reader._native_start is None:
+        pytest.skip("extension not built")
+    store = _started_stager_store(tmp_path, ["a"])
+    want = reader.read_packed("a", tmp_path / "a", SPEC, torch.bfloat16, pin=False)
+    with HostStager(store, workers=1, layerwise=True) as stager:
+        stage = stager.submit("a")
+        assert stage.progress.published()  # on this thread, before any worker ran
+        got = stage.result(timeout=30)
+    assert stage.progress.count == SPEC.layers and len(stage.layer_seconds) == SPEC.layers
+    assert stage.progress.packed is got and store.is_packed("a")
+    for key in want.a:
+        assert torch.equal(got.a[key], want.a[key]) and torch.equal(got.b[key], want.b[key]), key
+
+
+@pytest.mark.parametrize("fault", ["deleted", "truncated"])
+def test_a_started_read_that_fails_fails_only_its_stage(tmp_path, monkeypatch, fault):
+    """The file goes bad after the read's plan was checked (between the header check and the tensor reads): the
+    stage fails with an error naming the adapter and the file, its flag is released, nothing is held, and the
+    next stage of another adapter reads fine."""
+    if reader._native_start is None:
+        pytest.skip("extension not built")
+    store = _started_stager_store(tmp_path, ["a", "b"])
+    weights = tmp_path / "b" / "adapter_model.safetensors"
+    start = reader.start_packed
+
+    def go_bad_then_start(adapter_id, *args, **kwargs):  # after the plan check, before the native read opens the file
+        if adapter_id == "b":
+            if fault == "deleted":
+                weights.unlink()
+            else:
+                weights.write_bytes(weights.read_bytes()[:-64])
+        return start(adapter_id, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "start_packed", go_bad_then_start)
+    with HostStager(store, workers=1, layerwise=True) as stager:
+        b = stager.submit("b")
+        with pytest.raises(Exception, match="adapter 'b'.*adapter_model.safetensors.*(cannot open|truncated)"):
+            b.result(timeout=30)
+        a = stager.submit("a")
+        a.result(timeout=30)
+    assert b.progress.failed and not store.is_packed("b") and store.is_packed("a")
+    assert stager.stats["errors"] == 1 and stager.stats["reads"] == 1
+
+
+def test_native_started_read_waits_once_and_a_dropped_handle_waits_for_its_read(tmp_path):
+    if reader._native_start is None:
+        pytest.skip("extension not built")
+    import gc
+
+    write_adapter(tmp_path / "a", SPEC, 4, torch.bfloat16, seed=3)
+    store = _started_stager_store(tmp_path, [])
+    store.register_path("a", tmp_path / "a")
+    p = LayerProgress(SPEC.layers, pin=False)
+    pending = store.start_get("a", p)
+    assert isinstance(pending, reader.PendingRead)
+    assert store.finish_get("a", pending) is p.packed and p.count == SPEC.layers
+    with pytest.raises(RuntimeError, match="already waited"):
+        pending.wait()
+    for _ in range(20):  # handles dropped unwaited: each waits for its read before the buffer can go
+        store.drop("a")
+        store.start_get("a", LayerProgress(SPEC.layers, pin=False))
+        gc.collect()

@@ -334,8 +334,9 @@ def test_outputs_identical_across_policies(cpu_report):
 
 
 def test_engine_host_tier_reads_folders_evicts_and_stages(tmp_path, monkeypatch):
-    """Host memory for one adapter: a cold load reads its folder on the stager's worker thread and copies it
-    into the slot bit for bit; a host-only stage reads a disk-only adapter without taking a slot and evicts
+    """Host memory for one adapter: a cold load reads its folder off the scheduler thread (a layer-wise read is
+    started there and runs on the extension's reader threads; otherwise the stager's worker reads it) and copies
+    it into the slot bit for bit; a host-only stage reads a disk-only adapter without taking a slot and evicts
     the first from host memory (LRU), so that loading the first again reads its folder again."""
     import threading
 
@@ -346,19 +347,28 @@ def test_engine_host_tier_reads_folders_evicts_and_stages(tmp_path, monkeypatch)
     paths = adapter_folders(cfg)
     engine = make_engine(cfg, paths)
     reads = []
-    orig = reader.read_packed
+    orig_read, orig_start = reader.read_packed, reader.start_packed
 
-    def spy(adapter_id, path, *args, **kw):
+    def spy_read(adapter_id, path, *args, **kw):
         reads.append((folders.Path(path).name, threading.current_thread().name))
-        return orig(adapter_id, path, *args, **kw)
+        return orig_read(adapter_id, path, *args, **kw)
 
-    monkeypatch.setattr(reader, "read_packed", spy)
+    def spy_start(adapter_id, spec, *args, plan, **kw):
+        started = orig_start(adapter_id, spec, *args, plan=plan, **kw)
+        if started is not None:  # else read_packed reads it on the worker, recorded there
+            reads.append((plan.folder.name, "started on " + threading.current_thread().name))
+        return started
+
+    monkeypatch.setattr(reader, "read_packed", spy_read)
+    monkeypatch.setattr(reader, "start_packed", spy_start)
     try:
         engine.reset()
         assert engine.host_resident() == set() and engine.host_capacity_adapters() == pytest.approx(1.02, rel=1e-4)
         t = engine.load_seconds(engine.issue_load(0, None))
         assert t.cold and t.host_s > 0 and reads == [("adapter_000", reads[0][1])]
-        assert reads[0][1].startswith("lora-host-stage") and engine.host_resident() == {0}
+        native = engine.layerwise and reader._native_start is not None
+        where = "started on " + threading.current_thread().name if native else "lora-host-stage"
+        assert reads[0][1].startswith(where) and engine.host_resident() == {0}
         t = engine.load_seconds(engine.issue_stage(1))  # prefetch into host memory: no slot taken
         assert t.cold and t.h2d_s == 0 and engine.loader.slot_of("adapter_001") is None
         assert engine.host_resident() == {1}  # adapter 0 dropped (LRU): it lives only on disk again

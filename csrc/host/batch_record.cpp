@@ -272,6 +272,12 @@ PyMethodDef host_methods[] = {
      "reads = (layer, file offset, buffer offset, bytes) with non-decreasing layers, read layer by layer by all "
      "threads, the file opened and closed with the GIL released once; the count of complete layers is stored into "
      "flag (int32 buffer or None) as each completes"},
+    {"pread_layers_start", pread_layers_start, METH_VARARGS,
+     "pread_layers_start(path, buffer, reads, nlayers, threads, flag) -> handle: pread_layers' read started on a kept "
+     "reader thread; returns at once"},
+    {"pread_layers_wait", pread_layers_wait, METH_VARARGS,
+     "pread_layers_wait(handle) -> pread_layers' result, once the read started by pread_layers_start has ended (the GIL "
+     "released while it waits)"},
     {"stream_wait_geq", stream_wait_geq, METH_VARARGS,
      "stream_wait_geq(stream, host_addr, value) -> None: the CUDA stream waits until the pinned int32 at host_addr "
      "is >= value (cuStreamWaitValue32)"},

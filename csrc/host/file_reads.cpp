@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -143,17 +144,16 @@ constexpr size_t kLayerChunk = 1 << 20;  // a layer's jobs are cut into pieces o
 
 // Reader threads kept for the life of the process: starting threads for every read cost ~15-20 µs each, paid
 // before a host stage's first layer lands. run(work, helpers) runs `work` on the caller and on up to `helpers`
-// pool threads at once, and returns when every copy has returned; concurrent calls share the threads.
+// idle pool threads at once, and returns when every copy has returned; concurrent calls share the threads, the
+// earliest call's helpers first (an earlier host stage finishes first). submit(task) runs `task` on a pool thread
+// and returns at once: an asynchronous read (pread_layers_start) starts without its caller waiting for anything.
 class ReadPool {
  public:
   void run(const std::function<void()>& work, size_t helpers) {
     Job job{&work, helpers, 0};
     {
       std::lock_guard<std::mutex> lock(mu_);
-      while (threads_ < std::min<size_t>(helpers, 63)) {
-        std::thread([this] { serve(); }).detach();
-        ++threads_;
-      }
+      grow(helpers);
       jobs_.push_back(&job);
     }
     cv_.notify_all();
@@ -164,28 +164,60 @@ class ReadPool {
     done_.wait(lock, [&] { return job.active == 0; });
   }
 
+  void submit(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+      grow(tasks_.size());
+    }
+    cv_.notify_all();
+  }
+
  private:
   struct Job {
     const std::function<void()>* work;
     size_t wanted, active;
   };
+  static constexpr size_t kMaxThreads = 64;
+  // Starts threads until `want` of them are idle (at most kMaxThreads in all); mu_ held.
+  void grow(size_t want) {
+    while (idle_ < want && threads_ < kMaxThreads) {
+      std::thread([this] { serve(); }).detach();
+      ++threads_;
+      ++idle_;
+    }
+  }
+  bool has_work() const {
+    return !tasks_.empty() || std::any_of(jobs_.begin(), jobs_.end(), [](Job* j) { return j->wanted > 0; });
+  }
   void serve() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return std::any_of(jobs_.begin(), jobs_.end(), [](Job* j) { return j->wanted > 0; }); });
-      Job* job = *std::find_if(jobs_.begin(), jobs_.end(), [](Job* j) { return j->wanted > 0; });
-      --job->wanted;
-      ++job->active;
-      lock.unlock();
-      (*job->work)();
-      lock.lock();
-      if (--job->active == 0) done_.notify_all();
+      cv_.wait(lock, [&] { return has_work(); });
+      --idle_;
+      if (!tasks_.empty()) {  // a read to start: its first layer is what a cold request waits for
+        std::function<void()> task = std::move(tasks_.front());
+        tasks_.pop_front();
+        lock.unlock();
+        task();
+        lock.lock();
+      } else {
+        Job* job = *std::find_if(jobs_.begin(), jobs_.end(), [](Job* j) { return j->wanted > 0; });
+        --job->wanted;
+        ++job->active;
+        lock.unlock();
+        (*job->work)();
+        lock.lock();
+        if (--job->active == 0) done_.notify_all();
+      }
+      ++idle_;
     }
   }
   std::mutex mu_;
   std::condition_variable cv_, done_;
   std::vector<Job*> jobs_;
-  size_t threads_ = 0;
+  std::deque<std::function<void()>> tasks_;
+  size_t threads_ = 0, idle_ = 0;
 };
 
 ReadPool& read_pool() {
@@ -358,45 +390,141 @@ bool parse_reads(PyObject* obj, int nlayers, long long size, std::vector<Read>& 
 
 }  // namespace
 
-PyObject* pread_layers(PyObject* /*self*/, PyObject* args) {
-  const char* path;
-  int nlayers, threads;
-  PyObject *buf_obj, *reads_obj, *flag_obj;
-  if (!PyArg_ParseTuple(args, "sOOiiO", &path, &buf_obj, &reads_obj, &nlayers, &threads, &flag_obj)) return nullptr;
-  Py_buffer buf{}, flag{};
-  if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return nullptr;
+namespace {
+
+// One layer-wise read: its arguments (buffers held until release) and its outcome. pread_layers runs it on the
+// caller; pread_layers_start on a kept thread, and pread_layers_wait collects it.
+struct LayerRead {
+  std::string path;
   std::vector<Read> reads;
-  bool ok = parse_reads(reads_obj, nlayers, static_cast<long long>(buf.len), reads);
-  const bool have_flag = ok && flag_obj != Py_None && PyObject_GetBuffer(flag_obj, &flag, PyBUF_WRITABLE) == 0;
-  if (ok && flag_obj != Py_None && !have_flag) ok = false;
-  if (have_flag && (flag.len < 4 || reinterpret_cast<uintptr_t>(flag.buf) % 4 != 0)) {
-    PyErr_SetString(PyExc_ValueError, "pread_layers: flag must be a writable, 4-byte aligned buffer of >= 4 bytes");
-    ok = false;
-  }
+  int nlayers = 0, threads = 1;
+  Py_buffer buf{}, flag{};
+  bool have_buf = false, have_flag = false;
   Failure failed;
   int open_errno = 0;
   std::vector<double> times;
-  if (ok && nlayers > 0) {
-    int* flag_ptr = have_flag ? static_cast<int*>(flag.buf) : nullptr;
-    Py_BEGIN_ALLOW_THREADS  // open, every read and close: the GIL released once
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  std::mutex mu;  // the asynchronous read's end
+  std::condition_variable cv;
+  bool done = false, waited = false;
+
+  void execute() {  // the GIL is not needed
+    if (nlayers <= 0) return;
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
       open_errno = errno;
-    } else {
-      failed = read_by_layer(fd, static_cast<char*>(buf.buf), reads, nlayers, threads, flag_ptr, times);
-      close(fd);
+      return;
     }
+    failed = read_by_layer(fd, static_cast<char*>(buf.buf), reads, nlayers, threads,
+                           have_flag ? static_cast<int*>(flag.buf) : nullptr, times);
+    close(fd);
+  }
+  void release() {  // the GIL held
+    if (have_flag) PyBuffer_Release(&flag);
+    if (have_buf) PyBuffer_Release(&buf);
+    have_flag = have_buf = false;
+  }
+  void wait_done() {  // the GIL released by the caller
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+  }
+  // (None or (job, file byte, errno), layer times); job -1: the open failed.
+  PyObject* result() const {
+    if (open_errno != 0) return Py_BuildValue("((nLi)())", static_cast<Py_ssize_t>(-1), 0LL, open_errno);
+    PyObject* stamps = PyTuple_New(static_cast<Py_ssize_t>(times.size()));
+    if (stamps == nullptr) return nullptr;
+    for (size_t i = 0; i < times.size(); ++i)
+      PyTuple_SET_ITEM(stamps, static_cast<Py_ssize_t>(i), PyFloat_FromDouble(times[i]));
+    if (failed.job < 0) return Py_BuildValue("(ON)", Py_None, stamps);
+    return Py_BuildValue("((nLi)N)", failed.job, failed.at, failed.err, stamps);
+  }
+};
+
+// pread_layers' arguments into r; false with a Python error set (r.release() frees what was taken).
+bool parse_layer_read(PyObject* args, LayerRead& r) {
+  const char* path;
+  PyObject *buf_obj, *reads_obj, *flag_obj;
+  if (!PyArg_ParseTuple(args, "sOOiiO", &path, &buf_obj, &reads_obj, &r.nlayers, &r.threads, &flag_obj)) return false;
+  r.path = path;
+  if (PyObject_GetBuffer(buf_obj, &r.buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return false;
+  r.have_buf = true;
+  if (!parse_reads(reads_obj, r.nlayers, static_cast<long long>(r.buf.len), r.reads)) return false;
+  if (flag_obj == Py_None) return true;
+  if (PyObject_GetBuffer(flag_obj, &r.flag, PyBUF_WRITABLE) != 0) return false;
+  r.have_flag = true;
+  if (r.flag.len < 4 || reinterpret_cast<uintptr_t>(r.flag.buf) % 4 != 0) {
+    PyErr_SetString(PyExc_ValueError, "pread_layers: flag must be a writable, 4-byte aligned buffer of >= 4 bytes");
+    return false;
+  }
+  return true;
+}
+
+constexpr const char* kLayerReadName = "lora_kernels.LayerRead";
+
+void drop_layer_read(PyObject* capsule) {  // a handle dropped unwaited waits for its read: the buffer must outlive it
+  auto* r = static_cast<LayerRead*>(PyCapsule_GetPointer(capsule, kLayerReadName));
+  if (r == nullptr) return;
+  if (!r->waited) {
+    Py_BEGIN_ALLOW_THREADS
+    r->wait_done();
     Py_END_ALLOW_THREADS
   }
-  if (have_flag) PyBuffer_Release(&flag);
-  PyBuffer_Release(&buf);
-  if (!ok) return nullptr;
-  if (open_errno != 0) return Py_BuildValue("((nLi)())", static_cast<Py_ssize_t>(-1), 0LL, open_errno);
-  PyObject* stamps = PyTuple_New(static_cast<Py_ssize_t>(times.size()));
-  if (stamps == nullptr) return nullptr;
-  for (size_t i = 0; i < times.size(); ++i) PyTuple_SET_ITEM(stamps, static_cast<Py_ssize_t>(i), PyFloat_FromDouble(times[i]));
-  if (failed.job < 0) return Py_BuildValue("(ON)", Py_None, stamps);
-  return Py_BuildValue("((nLi)N)", failed.job, failed.at, failed.err, stamps);
+  r->release();
+  delete r;
+}
+
+}  // namespace
+
+PyObject* pread_layers(PyObject* /*self*/, PyObject* args) {
+  LayerRead r;
+  const bool ok = parse_layer_read(args, r);
+  if (ok) {
+    Py_BEGIN_ALLOW_THREADS  // open, every read and close: the GIL released once
+    r.execute();
+    Py_END_ALLOW_THREADS
+  }
+  r.release();
+  return ok ? r.result() : nullptr;
+}
+
+PyObject* pread_layers_start(PyObject* /*self*/, PyObject* args) {
+  auto* r = new LayerRead();
+  if (!parse_layer_read(args, *r)) {
+    r->release();
+    delete r;
+    return nullptr;
+  }
+  PyObject* handle = PyCapsule_New(r, kLayerReadName, drop_layer_read);
+  if (handle == nullptr) {
+    r->release();
+    delete r;
+    return nullptr;
+  }
+  read_pool().submit([r] {
+    r->execute();
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->done = true;
+    }
+    r->cv.notify_all();
+  });
+  return handle;
+}
+
+PyObject* pread_layers_wait(PyObject* /*self*/, PyObject* args) {
+  PyObject* capsule;
+  if (!PyArg_ParseTuple(args, "O", &capsule)) return nullptr;
+  auto* r = static_cast<LayerRead*>(PyCapsule_GetPointer(capsule, kLayerReadName));
+  if (r == nullptr) return nullptr;
+  if (r->waited) {
+    PyErr_SetString(PyExc_RuntimeError, "pread_layers_wait: this read was already waited for");
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  r->wait_done();
+  Py_END_ALLOW_THREADS
+  r->waited = true;
+  r->release();
+  return r->result();
 }
 
 }  // namespace lora_kernels

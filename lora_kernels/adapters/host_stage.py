@@ -24,7 +24,10 @@ never reads a file and several cold adapters are read at once:
 - Layer-wise (`HostStager(..., layerwise=True)`): a cold read reports each layer as it lands
   (`stage.progress`, a `LayerProgress`; `stage.layer_seconds` once done). Its buffer is published before it
   is filled, so a loader can enqueue the copies of a read still in flight (`AdapterLoader.load_async(...,
-  progress=stage.progress)`), each layer's copy waiting on the GPU for its layer.
+  progress=stage.progress)`), each layer's copy waiting on the GPU for its layer. With the extension, a
+  layer-wise read starts on the submitting thread and runs on the extension's reader threads (`store.start_get`):
+  the first byte moves before `submit` returns, with no worker waiting for the GIL first, and the stage is timed
+  from its submit; the worker then only ends it (`store.finish_get`). Such reads do not queue behind the workers.
 """
 
 from __future__ import annotations
@@ -107,19 +110,41 @@ class HostStager:
                 stage._submitted = time.monotonic()
             self._running += 1
             self._inflight[adapter_id] = stage
-            self._pool.submit(self._read, stage)
-            return stage
+        started = self._start(stage) if progress is not None else None
+        self._pool.submit(self._read, stage, started)
+        return stage
 
-    def _read(self, stage: HostStage) -> None:
+    def _start(self, stage: HostStage):
+        """A layer-wise read started here, on the submitting thread (`store.start_get`): no worker's GIL hand-off
+        comes before its first byte. The stage is then timed from now. Returns what `_read` finishes: a
+        `reader.PendingRead`, a packed adapter (a hit), None (the worker does the whole stage) or the error."""
+        t = time.monotonic()
+        try:
+            started = self.store.start_get(stage.adapter_id, stage.progress)
+        except Exception as e:  # delivered by the worker, which owns the stage's end
+            started = e
+        if started is not None:
+            stage._submitted = t
+        return started
+
+    def _read(self, stage: HostStage, started=None) -> None:
         t0 = stage._t0 = stage._submitted if stage._submitted is not None else time.monotonic()
         packed, error = None, None
         try:
             p = stage.progress
-            packed = self.store.get(stage.adapter_id) if p is None else self.store.get(stage.adapter_id, progress=p)
+            if isinstance(started, BaseException):
+                raise started
+            if isinstance(started, PackedAdapter):
+                packed = started
+            elif started is not None:
+                packed = self.store.finish_get(stage.adapter_id, started)
+            else:
+                packed = self.store.get(stage.adapter_id) if p is None else self.store.get(stage.adapter_id, progress=p)
         except BaseException as e:  # delivered to whoever waits on the stage
             error = e
             if stage.progress is not None:
                 stage.progress.fail(e)  # releases any GPU wait on it
+        del started
         stage._seconds = time.monotonic() - t0
         # Out of the in-flight table before the waiter wakes: a done stage is never found there (a later
         # submit of the id then hits the store, or reads again after an error).

@@ -13,6 +13,7 @@ pinned allocator rounds every request up to a power of two), not the bytes reque
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
@@ -129,9 +130,43 @@ class HostAdapterStore:
         AdapterFormatError naming the adapter and its file when the folder is missing or bad.
         progress: a `LayerProgress` the read publishes its buffer and each complete layer to (a store hit
         publishes the held buffer, complete)."""
-        from lora_kernels.adapters.peft import AdapterFormatError, plan_peft_adapter
-        from lora_kernels.adapters.reader import planned_nbytes, read_packed
+        from lora_kernels.adapters.reader import read_packed
 
+        held, path = self._held(adapter_id, progress)
+        if held is not None:
+            return held
+        with self._named(adapter_id):
+            plan = self._checked_plan(adapter_id, path)
+            packed = read_packed(adapter_id, path, self.spec, self.dtype, pin=self.pin, plan=plan,
+                                 check_finite=self.check_finite, read_threads=self.read_threads, progress=progress)
+        self._insert(packed)
+        return packed
+
+    def start_get(self, adapter_id: str, progress):
+        """`get(adapter_id, progress)` begun on the caller's thread for a layer-wise host stage: the held adapter (a
+        hit, published complete), or its read started on the extension's reader threads (a `reader.PendingRead`,
+        ended by `finish_get`), or None where such a read cannot run (then `get` does the whole stage). Raises
+        what `get` raises for errors found before the read (unknown id, capacity, a bad header)."""
+        from lora_kernels.adapters.reader import start_packed
+
+        held, path = self._held(adapter_id, progress)
+        if held is not None or self.check_finite:
+            return held
+        with self._named(adapter_id):
+            plan = self._checked_plan(adapter_id, path)
+            return start_packed(adapter_id, self.spec, self.dtype, pin=self.pin, plan=plan,
+                                read_threads=self.read_threads, progress=progress)
+
+    def finish_get(self, adapter_id: str, pending) -> PackedAdapter:
+        """Waits for a read begun by `start_get` and holds its adapter; raises its AdapterFormatError, naming the
+        adapter and its file."""
+        with self._named(adapter_id):
+            packed = pending.wait()
+        self._insert(packed)
+        return packed
+
+    def _held(self, adapter_id: str, progress) -> tuple[PackedAdapter | None, Path]:
+        """(the held adapter, marked recently used and published to progress, None) or (None, its folder)."""
         with self._lock:
             packed = self._packed.get(adapter_id)
             if packed is not None:
@@ -139,22 +174,34 @@ class HostAdapterStore:
                 if progress is not None:
                     progress.publish(packed)
                     progress.complete()
-                return packed
+                return packed, None
             path = self._paths.get(adapter_id)
         if path is None:
             raise KeyError(f"adapter {adapter_id!r} is not in the host store (register it first)")
+        return None, path
+
+    def _checked_plan(self, adapter_id: str, path: Path):
+        """The folder's read plan, checked against the spec and the store's capacity (before any allocation)."""
+        from lora_kernels.adapters.peft import plan_peft_adapter
+        from lora_kernels.adapters.reader import planned_nbytes
+
+        plan = plan_peft_adapter(path, full_spec(self.spec), max_rank=self.max_rank)  # checks: the full model
+        need = planned_nbytes(plan, self.spec, self.dtype, self.pin)
+        if self.capacity_bytes is not None and need > self.capacity_bytes:
+            raise ValueError(f"adapter {adapter_id!r} ({path}) needs {need} bytes of host memory, above the "
+                             f"store's capacity_bytes={self.capacity_bytes}")
+        return plan
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _named(adapter_id: str):
+        """Re-raises an AdapterFormatError with the adapter's id in front (its text already names the file)."""
+        from lora_kernels.adapters.peft import AdapterFormatError
+
         try:
-            plan = plan_peft_adapter(path, full_spec(self.spec), max_rank=self.max_rank)  # checks: the full model
-            need = planned_nbytes(plan, self.spec, self.dtype, self.pin)
-            if self.capacity_bytes is not None and need > self.capacity_bytes:
-                raise ValueError(f"adapter {adapter_id!r} ({path}) needs {need} bytes of host memory, above the "
-                                 f"store's capacity_bytes={self.capacity_bytes}")
-            packed = read_packed(adapter_id, path, self.spec, self.dtype, pin=self.pin, plan=plan,
-                                 check_finite=self.check_finite, read_threads=self.read_threads, progress=progress)
+            yield
         except AdapterFormatError as e:
             raise AdapterFormatError(f"adapter {adapter_id!r}: {e}") from None
-        self._insert(packed)
-        return packed
 
     def drop(self, adapter_id: str) -> None:
         """Forgets the packed buffer (a registered path stays and is re-read on the next get)."""
