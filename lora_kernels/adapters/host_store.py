@@ -53,9 +53,10 @@ class HostAdapterStore:
         # A finite check reads every byte again (aminmax): off by default on the host stage's hot path;
         # `load_peft_adapter` always checks.
         self.check_finite = check_finite
-        # Threads per read: from the page cache one thread copies a few GB/s (H200 host, rank 64: 4 threads 4.7 ms,
-        # 8 threads 2.6 ms; bench_loader's layer-wise table).
-        self.read_threads = read_threads if read_threads is not None else max(1, min(8, os.cpu_count() or 1))
+        # Threads per read: from the page cache one thread copies a few GB/s (H200 host, 16 cores, rank 64 layer by
+        # layer: 4 threads 4.2 ms, 8 threads 1.9-2.8 ms, 16 threads 1.9 ms, and 2.5 against 3.5 ms beside a busy Python
+        # thread; `bench/profile/host_stage_parts.py`).
+        self.read_threads = read_threads if read_threads is not None else max(1, min(16, os.cpu_count() or 1))
         self._lock = threading.Lock()
         self._packed: OrderedDict[str, PackedAdapter] = OrderedDict()
         self._paths: dict[str, Path] = {}

@@ -12,7 +12,7 @@ adapter lacks) are zeroed, since the allocator hands back reused blocks.
 Large files are read by `read_threads` threads over disjoint byte ranges: from the page cache one thread
 copies at a few GB/s, so a single thread would cap the host stage. A layer-wise read (`progress` given: a
 load can copy layer l while later layers are still read) cuts layer 0's tensors, then layer 1's, ... into
-pieces of 1 MB that every thread takes in turn, and publishes each complete layer (`progress.py`); with the
+pieces of 256 KB that every thread takes in turn, and publishes each complete layer (`progress.py`); with the
 extension, its open, reads and close run in one call on kept threads, the GIL released once. With the extension built, one call of its
 `pread_into` runs those threads and every read with the GIL released once (without it: a Python thread pool
 and one `os.preadv` per tensor, each retaking the GIL, which waits while another thread runs Python: a
