@@ -181,19 +181,19 @@ class _reused_buffers:
     """Hands the reader a cached buffer per size (what torch's pinned allocator does for pinned ones)."""
 
     def __enter__(self):
-        from lora_kernels.adapters import reader
+        from lora_kernels.adapters import layout
 
-        self.reader, self.orig, cache = reader, reader.alloc_buffer, {}
+        self.layout, self.orig, cache = layout, layout.alloc_buffer, {}
 
         def alloc(n, pin):
             if n not in cache:
                 cache[n] = self.orig(n, pin).fill_(0)  # faulted in once
             return cache[n]
 
-        reader.alloc_buffer = alloc
+        layout.alloc_buffer = alloc
 
     def __exit__(self, *exc):
-        self.reader.alloc_buffer = self.orig
+        self.layout.alloc_buffer = self.orig
 
 
 def _time(fn) -> float:

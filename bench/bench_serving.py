@@ -364,9 +364,16 @@ def main() -> int:
             log(f"layer 0's share of the host stage and of the copy (median, by rank): {shares}")
             md += [f"Layer-wise loads, layer 0's share of the host stage and of the copy (median by rank; 1/"
                    f"{cfg.spec().layers} when layers land evenly): {shares}.", ""]
+        arena = engine.store.arena
+        arena_stats = None if arena is None else dict(arena.stats)
+        if arena_stats is not None:
+            log(f"pinned arena {arena.nbytes / 2 ** 20:.0f} MB: {arena_stats['allocs']} buffers carved, "
+                f"{arena_stats['misses']} from torch's allocator (no room)")
+            md += [f"Host buffers: {arena_stats['allocs']} carved from the pinned arena of {arena.nbytes / 2 ** 20:.0f} "
+                   f"MB, {arena_stats['misses']} from torch's allocator.", ""]
         common.write_jsonl(args.json, [{"scenario": "stage times", "host_stage_ms_by_rank": host_ms,
                                         "copy_ms_by_rank": copy_ms, "layer_shares": shares,
-                                        "layers_by_rank": engine.layers}])
+                                        "layers_by_rank": engine.layers, "arena": arena_stats}])
         (out_dir / "bench_serving.md").write_text("\n".join(md) + "\n")
         log(f"-- done in {time.perf_counter() - t_start:.0f} s; {out_dir / 'bench_serving.md'}")
     finally:

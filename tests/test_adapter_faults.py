@@ -14,6 +14,7 @@ import lora_kernels as lk
 from adapter_checks import check_slot
 from lora_kernels.adapters import (AdapterFormatError, AdapterLoader, GpuAdapterPool, HostAdapterStore, HostStager,
                                    ModelSpec, load_peft_adapter)
+from lora_kernels.adapters import layout as lay
 from lora_kernels.adapters import reader
 from lora_kernels.serve_sim.folders import write_adapter
 
@@ -69,8 +70,8 @@ def test_folder_going_bad_after_admission_fails_only_its_request(tmp_path, monke
     fails naming the adapter and the file; the others load bit for bit; no slot, buffer or stage leaks."""
     folders, want, store, pool, loader = _setup(tmp_path)
     buffers = []
-    orig_alloc = reader.alloc_buffer
-    monkeypatch.setattr(reader, "alloc_buffer", lambda n, pin: buffers.append(orig_alloc(n, pin)) or buffers[-1])
+    orig_alloc = lay.alloc_buffer
+    monkeypatch.setattr(lay, "alloc_buffer", lambda n, pin: buffers.append(orig_alloc(n, pin)) or buffers[-1])
     store.get("a1")
     store.drop("a1")  # admitted and known good once; dropped (LRU) before its next load
     message = damage(folders[1])
@@ -103,8 +104,8 @@ def test_failed_read_keeps_no_buffer_while_its_error_lives(tmp_path, monkeypatch
     folders, _, store, _, _ = _setup(tmp_path, n=1)
     (folders[0] / WEIGHTS).write_bytes((folders[0] / WEIGHTS).read_bytes())  # unchanged: fails during the read
     made = []
-    orig_alloc = reader.alloc_buffer
-    monkeypatch.setattr(reader, "alloc_buffer", lambda n, pin: made.append(weakref.ref(t := orig_alloc(n, pin))) or t)
+    orig_alloc = lay.alloc_buffer
+    monkeypatch.setattr(lay, "alloc_buffer", lambda n, pin: made.append(weakref.ref(t := orig_alloc(n, pin))) or t)
     # the file shrinks after its header was checked: the read itself finds the truncation
     orig_plan = reader.plan_peft_adapter
 

@@ -26,7 +26,7 @@ def _poisoned_alloc(monkeypatch, made=None):
         if made is not None:
             made.append(buf)
         return buf
-    monkeypatch.setattr(reader, "alloc_buffer", alloc)
+    monkeypatch.setattr(lay, "alloc_buffer", alloc)
 
 
 def _same_bytes(p, q):

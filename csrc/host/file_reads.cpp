@@ -157,7 +157,7 @@ class ReadPool {
       grow(helpers);
       jobs_.push_back(&job);
     }
-    cv_.notify_all();
+    wake(helpers);
     work();
     std::unique_lock<std::mutex> lock(mu_);
     job.wanted = 0;  // no helper joins from now on
@@ -171,7 +171,7 @@ class ReadPool {
       tasks_.push_back(std::move(task));
       grow(tasks_.size());
     }
-    cv_.notify_all();
+    wake(1);
   }
 
  private:
@@ -180,6 +180,11 @@ class ReadPool {
     size_t wanted, active;
   };
   static constexpr size_t kMaxThreads = 64;
+  // Wakes one idle thread per unit of new work, not all of them: a herd of woken threads fights for mu_ while the
+  // caller (a serving engine's scheduler thread, in submit) waits for it.
+  void wake(size_t units) {
+    for (size_t i = 0; i < units; ++i) cv_.notify_one();
+  }
   // Starts threads until `want` of them are idle (at most kMaxThreads in all); mu_ held.
   void grow(size_t want) {
     while (idle_ < want && threads_ < kMaxThreads) {

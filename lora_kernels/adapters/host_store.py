@@ -8,7 +8,9 @@ adapter dropped from the store while a load still reads its buffer stays alive: 
 `PackedAdapter` until its load event completes.
 
 Bytes: the budget counts what the allocator really holds for each buffer (`layout.allocator_nbytes`: torch's
-pinned allocator rounds every request up to a power of two), not the bytes requested.
+pinned allocator rounds every request up to a power of two), not the bytes requested. A store given a pinned arena
+(`reserve_pinned`, `arena.py`) carves its buffers from it instead: no page pinning on a cold read, and a buffer
+holds its bytes rounded up to whole pages.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 import torch
 
 # The packed buffer and its packing live in layout.py; re-exported here, where callers found them first.
+from lora_kernels.adapters import layout as lay
+from lora_kernels.adapters.arena import PinnedArena
 from lora_kernels.adapters.layout import HEADER_BYTES, PackedAdapter, alloc_buffer, pack_adapter
 from lora_kernels.adapters.peft import AdapterWeights
 from lora_kernels.adapters.spec import ModelSpec
@@ -61,7 +65,19 @@ class HostAdapterStore:
         self._packed: OrderedDict[str, PackedAdapter] = OrderedDict()
         self._paths: dict[str, Path] = {}
         self._bytes = 0
+        self.arena: PinnedArena | None = None
         self.stats = {"packs": 0, "drops": 0}
+
+    def reserve_pinned(self, nbytes: int) -> PinnedArena:
+        """Pins `nbytes` once now and carves every later buffer from them (`arena.PinnedArena`; a buffer that does
+        not fit comes from torch's allocator). Size it to `capacity_bytes` plus the adapters a serving engine holds
+        beyond the budget at once (loads and reads in flight). Buffers packed before keep their memory."""
+        self.arena = PinnedArena(nbytes, self.pin)
+        return self.arena
+
+    def held_nbytes(self, nbytes: int) -> int:
+        """Bytes a buffer of `nbytes` holds in this store (an arena's pages, or torch's allocator rounding)."""
+        return lay.held_nbytes(nbytes, self.pin, self.arena)
 
     def __contains__(self, adapter_id: str) -> bool:
         with self._lock:
@@ -83,7 +99,7 @@ class HostAdapterStore:
         if self.max_rank is not None and weights.rank > self.max_rank:
             raise ValueError(f"adapter {adapter_id!r} has rank {weights.rank}, above the pool's max rank "
                              f"{self.max_rank}")
-        packed = pack_adapter(adapter_id, weights, self.spec, self.dtype, self.pin)
+        packed = pack_adapter(adapter_id, weights, self.spec, self.dtype, self.pin, self.arena)
         self._insert(packed)
         return packed
 
@@ -136,10 +152,11 @@ class HostAdapterStore:
         held, path = self._held(adapter_id, progress)
         if held is not None:
             return held
-        with self._named(adapter_id):
+        with _named(adapter_id):
             plan = self._checked_plan(adapter_id, path)
             packed = read_packed(adapter_id, path, self.spec, self.dtype, pin=self.pin, plan=plan,
-                                 check_finite=self.check_finite, read_threads=self.read_threads, progress=progress)
+                                 check_finite=self.check_finite, read_threads=self.read_threads, progress=progress,
+                                 arena=self.arena)
         self._insert(packed)
         return packed
 
@@ -153,15 +170,15 @@ class HostAdapterStore:
         held, path = self._held(adapter_id, progress)
         if held is not None or self.check_finite:
             return held
-        with self._named(adapter_id):
+        with _named(adapter_id):
             plan = self._checked_plan(adapter_id, path)
             return start_packed(adapter_id, self.spec, self.dtype, pin=self.pin, plan=plan,
-                                read_threads=self.read_threads, progress=progress)
+                                read_threads=self.read_threads, progress=progress, arena=self.arena)
 
     def finish_get(self, adapter_id: str, pending) -> PackedAdapter:
         """Waits for a read begun by `start_get` and holds its adapter; raises its AdapterFormatError, naming the
         adapter and its file."""
-        with self._named(adapter_id):
+        with _named(adapter_id):
             packed = pending.wait()
         self._insert(packed)
         return packed
@@ -187,22 +204,11 @@ class HostAdapterStore:
         from lora_kernels.adapters.reader import planned_nbytes
 
         plan = plan_peft_adapter(path, full_spec(self.spec), max_rank=self.max_rank)  # checks: the full model
-        need = planned_nbytes(plan, self.spec, self.dtype, self.pin)
+        need = planned_nbytes(plan, self.spec, self.dtype, self.pin, self.arena)
         if self.capacity_bytes is not None and need > self.capacity_bytes:
             raise ValueError(f"adapter {adapter_id!r} ({path}) needs {need} bytes of host memory, above the "
                              f"store's capacity_bytes={self.capacity_bytes}")
         return plan
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _named(adapter_id: str):
-        """Re-raises an AdapterFormatError with the adapter's id in front (its text already names the file)."""
-        from lora_kernels.adapters.peft import AdapterFormatError
-
-        try:
-            yield
-        except AdapterFormatError as e:
-            raise AdapterFormatError(f"adapter {adapter_id!r}: {e}") from None
 
     def drop(self, adapter_id: str) -> None:
         """Forgets the packed buffer (a registered path stays and is re-read on the next get)."""
@@ -226,3 +232,14 @@ class HostAdapterStore:
             self.stats["packs"] += 1
             while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
                 self._drop_locked(next(iter(self._packed)))
+
+
+@contextlib.contextmanager
+def _named(adapter_id: str):
+    """Re-raises an AdapterFormatError with the adapter's id in front (its text already names the file)."""
+    from lora_kernels.adapters.peft import AdapterFormatError
+
+    try:
+        yield
+    except AdapterFormatError as e:
+        raise AdapterFormatError(f"adapter {adapter_id!r}: {e}") from None

@@ -168,15 +168,35 @@ def alloc_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
+def held_nbytes(nbytes: int, pin: bool, arena=None) -> int:
+    """Host bytes a packed buffer of `nbytes` holds: whole pages from an arena (`arena.PinnedArena`), else what
+    torch's allocator holds (`allocator_nbytes`)."""
+    return arena.held(nbytes) if arena is not None else allocator_nbytes(nbytes, pin)
+
+
 def wrap_buffer(adapter_id: str, blocks: PackedLayout, buf: torch.Tensor, scaling: float, dtype: torch.dtype,
-                pin: bool) -> PackedAdapter:
-    """The `PackedAdapter` over a buffer laid out as `blocks` (header written here)."""
+                pin: bool, held: int | None = None) -> PackedAdapter:
+    """The `PackedAdapter` over a buffer laid out as `blocks` (header written here); held: the bytes it holds
+    (default: what torch's allocator holds for it)."""
     stored = write_header(buf, blocks.rank, scaling)
     return PackedAdapter(adapter_id, blocks.rank, stored, dtype, buf, buf[:HEADER_BYTES], blocks=blocks,
-                         held_bytes=allocator_nbytes(buf.numel(), pin))
+                         held_bytes=allocator_nbytes(buf.numel(), pin) if held is None else held)
 
 
-def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> PackedAdapter:
+def new_packed(adapter_id: str, blocks: PackedLayout, scaling: float, dtype: torch.dtype, pin: bool,
+               arena=None) -> PackedAdapter:
+    """A `PackedAdapter` over a new buffer laid out as `blocks` (header written, blocks not): carved from `arena`
+    when one is given and has room (returned to it when the adapter is collected), else from torch's allocator."""
+    got = arena.alloc(blocks.nbytes) if arena is not None else None
+    if got is None:
+        return wrap_buffer(adapter_id, blocks, alloc_buffer(blocks.nbytes, pin), scaling, dtype, pin)
+    packed = wrap_buffer(adapter_id, blocks, got[0], scaling, dtype, pin, held=arena.held(blocks.nbytes))
+    arena.adopt(packed, got[1], blocks.nbytes)
+    return packed
+
+
+def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool,
+                 arena=None) -> PackedAdapter:
     """Packs `w` (converted to `dtype`) into one (pinned) uint8 buffer in pool order."""
     if w.spec != spec:
         raise ValueError(f"adapter {adapter_id!r} was read for {w.spec}, the store holds {spec}")
@@ -190,8 +210,7 @@ def pack_adapter(adapter_id: str, w: AdapterWeights, spec: ModelSpec, dtype: tor
                              f"{None if b is None else tuple(b.shape)}, expected {want_a} / {want_b}")
     esize = torch.empty((), dtype=dtype).element_size()
     blocks = packed_layout(spec, w.rank, keys, esize)
-    buf = alloc_buffer(blocks.nbytes, pin)
-    p = wrap_buffer(adapter_id, blocks, buf, w.scaling, dtype, pin)
+    p = new_packed(adapter_id, blocks, w.scaling, dtype, pin, arena)
     for key in keys:
         for view, t in ((p.a[key], w.lora_a[key]), (p.b[key], w.lora_b[key])):
             view.view(dtype).view(t.shape).copy_(t)

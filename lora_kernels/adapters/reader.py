@@ -42,7 +42,7 @@ import torch
 
 from lora_kernels.adapters import layout as lay
 from lora_kernels.adapters import tp as _tp
-from lora_kernels.adapters.layout import PackedAdapter, alloc_buffer, wrap_buffer
+from lora_kernels.adapters.layout import PackedAdapter, new_packed
 from lora_kernels.adapters.peft import AdapterFormatError, AdapterPlan, ModuleRead, plan_peft_adapter
 from lora_kernels.adapters.progress import LayerProgress
 from lora_kernels.adapters.spec import ModelSpec
@@ -61,29 +61,29 @@ def _reader_pool(n: int) -> ThreadPoolExecutor:
         return _readers
 
 
-def planned_nbytes(plan: AdapterPlan, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> int:
-    """Host bytes the adapter will hold once packed (allocator rounding included)."""
+def planned_nbytes(plan: AdapterPlan, spec: ModelSpec, dtype: torch.dtype, pin: bool, arena=None) -> int:
+    """Host bytes the adapter will hold once packed (allocator rounding, or an arena's pages, included)."""
     blocks = lay.packed_layout(spec, plan.rank, plan.keys, dtype.itemsize)
-    return lay.allocator_nbytes(blocks.nbytes, pin)
+    return lay.held_nbytes(blocks.nbytes, pin, arena)
 
 
 def read_packed(adapter_id: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype, *, pin: bool,
                 max_rank: int | None = None, check_finite: bool = False, read_threads: int = 4,
-                plan: AdapterPlan | None = None, progress: LayerProgress | None = None) -> PackedAdapter:
+                plan: AdapterPlan | None = None, progress: LayerProgress | None = None,
+                arena=None) -> PackedAdapter:
     """Reads the PEFT folder `path` into a packed buffer (see the module docstring). Raises AdapterFormatError
     naming the adapter's file (and tensor) when the folder is missing, truncated or inconsistent.
 
     progress: publish the buffer before it is filled and report each layer as it lands (`progress.py`); the
-    caller marks it failed if this raises."""
+    caller marks it failed if this raises. arena: a `PinnedArena` to carve the buffer from (`layout.new_packed`)."""
     plan = plan or plan_peft_adapter(path, _tp.full_spec(spec), max_rank=max_rank)  # a TP shard: the full model
     blocks = lay.packed_layout(spec, plan.rank, plan.keys, dtype.itemsize)
-    buf = alloc_buffer(blocks.nbytes, pin)
-    packed = wrap_buffer(adapter_id, blocks, buf, plan.scaling, dtype, pin)
+    packed = new_packed(adapter_id, blocks, plan.scaling, dtype, pin, arena)
     if progress is not None:
         progress.publish(packed)
     err = _fill(plan, spec, packed, dtype, read_threads, check_finite, progress)
     if err is not None:
-        del packed, buf  # the buffer goes back to the allocator now, not when the caller drops the error
+        del packed  # the buffer goes back to the allocator now, not when the caller drops the error
         raise err
     return packed
 
@@ -246,7 +246,7 @@ class PendingRead:
 
 
 def start_packed(adapter_id: str, spec: ModelSpec, dtype: torch.dtype, *, pin: bool, plan: AdapterPlan,
-                 read_threads: int, progress: LayerProgress) -> PendingRead | None:
+                 read_threads: int, progress: LayerProgress, arena=None) -> PendingRead | None:
     """`read_packed(..., progress=progress)` started on the extension's kept reader threads, returning at once; None
     where that read cannot run there (no extension, or a read with a second pass: `read_packed` then does it).
 
@@ -260,7 +260,7 @@ def start_packed(adapter_id: str, spec: ModelSpec, dtype: torch.dtype, *, pin: b
     rp = _read_plan(plan, spec, blocks, dtype)
     if rp.dup or rp.staged:
         return None
-    packed = wrap_buffer(adapter_id, blocks, alloc_buffer(blocks.nbytes, pin), plan.scaling, dtype, pin)
+    packed = new_packed(adapter_id, blocks, plan.scaling, dtype, pin, arena)
     arr = packed.buffer.numpy()
     for off, n in rp.zero:
         arr[off:off + n] = 0

@@ -5,7 +5,7 @@ are timed by `gate.StepTimer`; what each request computed is kept by `records.Re
 
 Adapter memory is three tiers: the PEFT folders on disk, a `HostAdapterStore` of packed (pinned) buffers
 bounded by `host_budget` (LRU by bytes; "all" = every adapter packed at start, no disk reads in the
-run), and the GPU pool. A load's host stage (`store.get`: read, parse, pack) runs on a `HostStager`
+run; a bounded tier carves its buffers from one pinned arena reserved at start), and the GPU pool. A load's host stage (`store.get`: read, parse, pack) runs on a `HostStager`
 worker thread (`host_workers` of them) under every policy, timed there with wall time; its H2D copy is
 issued through `AdapterLoader.load_async(packed=...)` in issue order, once the host stage is done, before
 the next step is queued (the scheduler has already placed the load in simulated time; waiting here for
@@ -45,6 +45,7 @@ import torch
 
 from lora_kernels import BatchInfoBuilder
 from lora_kernels.adapters import AdapterLoader, GpuAdapterPool, HostAdapterStore, HostStager, ModelSpec
+from lora_kernels.adapters.arena import PinnedArena
 from lora_kernels.adapters.host_stage import HostStage
 from lora_kernels.adapters.tp import agree_max
 from lora_kernels.serve_sim.gate import LOAD_GATE_S, StepTimer
@@ -54,6 +55,10 @@ from lora_kernels.serve_sim.scheduler import StepPlan
 from lora_kernels.serve_sim.sim import LoadTiming, StepTiming
 
 SWITCH_INTERVAL_S = 1e-4  # the GIL hand-off a host-stage worker waits for at most (see the module docstring)
+# The host tier's pinned arena: the budget plus room for this many of the largest adapters held beyond it at once
+# (reads in flight, copies in flight from buffers the store has dropped); a buffer that does not fit still comes
+# from torch's allocator (`engine.store.arena.stats["misses"]`).
+ARENA_SPARE_ADAPTERS = 8
 
 
 def parse_host_budget(spec: str) -> tuple[str, float]:
@@ -139,10 +144,12 @@ class ModelEngine:
         # packed sizes are known. The store is thread-safe and reading releases the GIL, so a few threads
         # cut the start-up time.
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            packed = [(p.rank, p.nbytes) for p in pool.map(self.store.get, self.keys)]
+            packed = [(p.rank, p.blocks.nbytes) for p in pool.map(self.store.get, self.keys)]
         self.ranks = [r for r, _ in packed]
-        self.packed_bytes = [n for _, n in packed]
         kind, value = parse_host_budget(host_budget)
+        # A bounded tier carves its buffers from one pinned arena (below): sizes as the arena holds them.
+        held = PinnedArena.held if kind != "all" else self.store.held_nbytes
+        self.packed_bytes = [held(n) for _, n in packed]
         # A share is raised to the largest adapter if it is below (a few adapters); a size is taken as given.
         budget = {"all": None, "share": max(value * sum(self.packed_bytes), max(self.packed_bytes)),
                   "bytes": value}[kind]
@@ -151,6 +158,8 @@ class ModelEngine:
                              f"adapter's {max(self.packed_bytes) / 2 ** 20:.1f} MB")
         self.host_tier = budget is not None
         self.store.capacity_bytes = None if budget is None else int(budget)
+        if budget is not None:  # pinned once now: a cold read never pins pages (24-87 ms a time on the H200 host)
+            self.store.reserve_pinned(int(budget) + ARENA_SPARE_ADAPTERS * max(self.packed_bytes))
 
     def close(self) -> None:
         self.stager.close()

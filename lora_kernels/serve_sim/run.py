@@ -242,8 +242,10 @@ class Report:
 
 def host_info(engine: ModelEngine) -> dict:
     cap = engine.store.capacity_bytes
+    arena = engine.store.arena
     return {"budget_mb": None if cap is None else cap / 2 ** 20, "adapters_mb": sum(engine.packed_bytes) / 2 ** 20,
-            "budget_adapters": engine.host_capacity_adapters(), "workers": engine.host_workers}
+            "budget_adapters": engine.host_capacity_adapters(), "workers": engine.host_workers,
+            "arena_mb": None if arena is None else arena.nbytes / 2 ** 20}
 
 
 def warm_up(cfg: SimConfig, engine) -> None:
