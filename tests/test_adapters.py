@@ -387,3 +387,40 @@ def test_staged_adapter_survives_eviction_and_loads_exactly(tmp_path):
         check_slot(pool, slot, ws[1])
         assert store.stats["packs"] == 2  # the load read nothing
         check_slot(pool, loader.load_async("a0", packed=stager.submit("a0").result(5)), ws[0])
+
+
+def test_plan_cache_keys_settled_files_by_stat_and_never_serves_a_stale_plan(tmp_path):
+    """A folder untouched for a while is recognized by its files' stat (no read); a rewrite of the same size whose
+    mtime is set back still changes the ctime, so the plan is re-read and the change is caught."""
+    import os
+    import time
+
+    from lora_kernels.adapters import peft as peft_mod
+    from lora_kernels.adapters.peft import AdapterFormatError, plan_peft_adapter
+    from lora_kernels.serve_sim.folders import write_adapter
+
+    spec = ModelSpec(layers=2, hidden=32, intermediate=40, num_heads=4, num_kv_heads=2, head_dim=8)
+    write_adapter(tmp_path / "a", spec, 4, torch.bfloat16, seed=1)
+    files = [tmp_path / "a" / "adapter_config.json", tmp_path / "a" / "adapter_model.safetensors"]
+    old = time.time() - 60
+    for f in files:
+        os.utime(f, (old, old))
+    time.sleep(peft_mod._SETTLED_S + 0.1)  # the ctime (set by utime) settles too
+    first = plan_peft_adapter(tmp_path / "a", spec)
+    assert peft_mod._stat_key(*files) is not None
+    assert plan_peft_adapter(tmp_path / "a", spec) is first
+    if peft_mod._read_heads is None:
+        pytest.skip("extension not built: the reads are counted through its read_heads")
+    reads = []
+    orig = peft_mod._read_heads
+    peft_mod._read_heads = lambda *a: reads.append(a) or orig(*a)
+    try:
+        assert plan_peft_adapter(tmp_path / "a", spec) is first and not reads  # served from the stat key
+        raw = files[1].read_bytes()
+        files[1].write_bytes(raw.replace(b'"F16"', b'"I16"', 1) if b'"F16"' in raw else raw.replace(b'"BF16"', b'"I16 "', 1))
+        os.utime(files[1], (old, old))  # the same size and mtime as before: only the ctime moved
+        with pytest.raises(AdapterFormatError, match="adapter_model.safetensors"):
+            plan_peft_adapter(tmp_path / "a", spec)
+        assert reads  # the bytes were read again
+    finally:
+        peft_mod._read_heads = orig
