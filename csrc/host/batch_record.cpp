@@ -281,6 +281,9 @@ PyMethodDef host_methods[] = {
     {"stream_wait_geq", stream_wait_geq, METH_VARARGS,
      "stream_wait_geq(stream, host_addr, value) -> None: the CUDA stream waits until the pinned int32 at host_addr "
      "is >= value (cuStreamWaitValue32)"},
+    {"file_ids", file_ids, METH_VARARGS,
+     "file_ids(path1, path2) -> ((device, inode, size, mtime_ns, ctime_ns), ...) of both files, or None if a stat "
+     "fails; the GIL held"},
     {"read_heads", read_heads, METH_VARARGS,
      "read_heads(config_path, weights_path) -> (config bytes, weights size, safetensors header bytes) or None on any "
      "error; the GIL released once"},

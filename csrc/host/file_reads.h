@@ -8,6 +8,8 @@
 //   pread_layers_start(same arguments) -> handle: the same read started on a kept thread, returning at once;
 //   pread_layers_wait(handle) -> pread_layers' result, the GIL released while it waits (once per handle; a handle
 //     dropped unwaited waits for its read, which writes into the buffer, before it lets the buffer go);
+//   file_ids(path1, path2) -> ((device, inode, size, mtime ns, ctime ns), (...)) or None if a stat fails; the GIL
+//     held (two stat calls);
 //   read_heads(config_path, weights_path) -> (config bytes, weights file size, safetensors header bytes), or None
 //     on any error (the caller's Python path then raises the error that names it).
 #pragma once
@@ -19,4 +21,5 @@ PyObject* pread_layers(PyObject* self, PyObject* args);
 PyObject* pread_layers_start(PyObject* self, PyObject* args);
 PyObject* pread_layers_wait(PyObject* self, PyObject* args);
 PyObject* read_heads(PyObject* self, PyObject* args);
+PyObject* file_ids(PyObject* self, PyObject* args);
 }  // namespace lora_kernels

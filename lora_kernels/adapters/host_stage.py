@@ -93,6 +93,7 @@ class HostStager:
         self.stats = {"hits": 0, "reads": 0, "joins": 0, "errors": 0, "read_s": 0.0}
 
     def submit(self, adapter_id: Hashable) -> HostStage:
+        t_submit = time.monotonic()  # a read started here is timed from now (its progress made below included)
         with self._lock:
             running = self._inflight.get(adapter_id)
             if running is not None and not running.done():
@@ -110,15 +111,14 @@ class HostStager:
                 stage._submitted = time.monotonic()
             self._running += 1
             self._inflight[adapter_id] = stage
-        started = self._start(stage) if progress is not None else None
+        started = self._start(stage, t_submit) if progress is not None else None
         self._pool.submit(self._read, stage, started)
         return stage
 
-    def _start(self, stage: HostStage):
+    def _start(self, stage: HostStage, t: float):
         """A layer-wise read started here, on the submitting thread (`store.start_get`): no worker's GIL hand-off
-        comes before its first byte. The stage is then timed from now. Returns what `_read` finishes: a
-        `reader.PendingRead`, a packed adapter (a hit), None (the worker does the whole stage) or the error."""
-        t = time.monotonic()
+        comes before its first byte. The stage is then timed from its submit (`t`). Returns what `_read` finishes:
+        a `reader.PendingRead`, a packed adapter (a hit), None (the worker does the whole stage) or the error."""
         try:
             started = self.store.start_get(stage.adapter_id, stage.progress)
         except Exception as e:  # delivered by the worker, which owns the stage's end

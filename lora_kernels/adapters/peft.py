@@ -353,10 +353,11 @@ def _check_overlaps(modules: list[ModuleRead], spec: ModelSpec, wpath: Path) -> 
             filled.add((m.layer, m.group, i))
 
 
-try:  # config + header in one call with the GIL released once (csrc/host/file_reads.cpp)
+try:  # config + header in one call with the GIL released once; both files' stat (csrc/host/file_reads.cpp)
+    from lora_kernels._C import file_ids as _file_ids
     from lora_kernels._C import read_heads as _read_heads
 except ImportError:
-    _read_heads = None
+    _read_heads = _file_ids = None
 
 _PLANS: dict = {}  # (folder, config bytes, header bytes, file size, spec, max_rank) -> AdapterPlan
 _PLANS_BY_STAT: dict = {}  # (folder, both files' stat identity, spec, max_rank) -> AdapterPlan
@@ -365,21 +366,22 @@ _plans_lock = threading.Lock()
 _SETTLED_S = 2.0  # a file last changed this long ago is keyed by its stat (see _stat_key)
 
 
-def _stat_key(*paths: Path) -> tuple | None:
-    """The files' identity (device, inode, size, mtime, ctime), or None when a stat fails or a file changed in the
-    last _SETTLED_S seconds. File times tick coarsely (a few ms), so a file rewritten with the same size within a
-    tick of its stat could keep the same identity: a recently changed file is keyed by its bytes instead (as git
-    treats a "racily clean" file)."""
-    now, key = time.time(), []
-    for path in paths:
+def _stat_key(cpath: Path, wpath: Path) -> tuple | None:
+    """Both files' identity (device, inode, size, mtime ns, ctime ns), or None when a stat fails or a file changed
+    in the last _SETTLED_S seconds. File times tick coarsely (a few ms), so a file rewritten with the same size
+    within a tick of its stat could keep the same identity: a recently changed file is keyed by its bytes instead
+    (as git treats a "racily clean" file). With the extension the stats keep the GIL (`_C.file_ids`)."""
+    if _file_ids is not None:
+        key = _file_ids(str(cpath), str(wpath))
+    else:
         try:
-            st = os.stat(path)
+            key = tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                        for st in map(os.stat, (cpath, wpath)))
         except OSError:
             return None
-        if now - max(st.st_mtime, st.st_ctime) < _SETTLED_S:
-            return None
-        key.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-    return tuple(key)
+    if key is None or time.time_ns() - max(max(k[3], k[4]) for k in key) < _SETTLED_S * 1e9:
+        return None
+    return key
 
 
 def plan_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int | None = None) -> AdapterPlan:
