@@ -292,7 +292,7 @@ def setup(args):
           f"{cfg.dtype}; {cfg.adapters} adapters (ranks {cfg.ranks}) over {cfg.slots} slots; host memory for packed "
           f"adapters: {budget}, LRU, the rest read from their folders on demand by {host['workers']} host-stage worker(s); "
           f"{cfg.requests} requests, prompts {cfg.input_len}, outputs {cfg.output_len}; chunk {cfg.chunk}, <= "
-          f"{cfg.max_running} requests / {cfg.max_batch_tokens} rows per step; max_prefetch {cfg.max_prefetch}; "
+          f"{cfg.max_running} requests / {cfg.max_batch_tokens} rows per step; max_prefetch {cfg.max_prefetch}; overlap policies admit a load usable within {cfg.admit_within} of a step; "
           f"step time: {cfg.timed_layers or spec.layers} of {spec.layers} layers timed; loads "
           f"{'layer by layer (a step may start before the last layers of its adapters land)' if engine.layerwise else 'whole'}.",
           ""]

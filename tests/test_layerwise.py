@@ -208,3 +208,17 @@ def test_native_started_read_waits_once_and_a_dropped_handle_waits_for_its_read(
         store.drop("a")
         store.start_get("a", LayerProgress(SPEC.layers, pin=False))
         gc.collect()
+
+
+def test_a_load_ready_within_a_share_of_the_step_may_join_it():
+    """overlap policies' admit_within: a load usable if the step started `share` of its lower bound later joins it
+    (the step then starts when the load allows); a load further out, or not yet placed, does not."""
+    cache = AdapterState(4)
+    cache.observe_step(16, 4.0)  # steps of >= 32 rows take >= 4 s
+    cache.start_load("x", None)
+    assert not cache.ready_soon("x", 0.0, 64, 0.25)  # issued, not placed: unknown
+    cache.set_ready("x", [1.0], walk_s=4.0)  # a whole load, in place at t = 1
+    assert not cache.is_ready("x", 0.0, rows=64)
+    assert cache.ready_soon("x", 0.0, 64, 0.25)  # 1 s late, a quarter of a 4 s step
+    assert not cache.ready_soon("x", 0.0, 64, 0.2) and not cache.ready_soon("x", 0.0, 8, 0.25)  # no bound below 32
+    assert not cache.ready_soon("x", 0.0, 64, 0.0)

@@ -46,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--max-running", type=int, default=d.max_running, help="requests in a batch at most")
     a("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="rows of a step at most")
     a("--max-prefetch", type=int, default=d.max_prefetch, help="loads in flight at most (prefetch)")
+    a("--admit-within", type=float, default=d.admit_within,
+      help="overlap policies: a waiting request whose load will be usable within this share of the step's "
+           "measured lower bound joins the step, which waits for it (0: never)")
     a("--lookahead", type=int, default=None, help="waiting requests the prefetcher looks at (default: all)")
     a("--host-budget", default=d.host_budget,
       help="host memory for packed adapters: all, P%% of the adapters' bytes, or a size like 512MB; the other "
@@ -93,7 +96,8 @@ def _config(args):
                      timed_layers=args.timed_layers,
                      input_len=args.input_len, output_len=args.output_len, chunk=args.chunk,
                      max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-                     max_prefetch=args.max_prefetch, lookahead=args.lookahead, host_budget=args.host_budget,
+                     max_prefetch=args.max_prefetch, lookahead=args.lookahead, admit_within=args.admit_within,
+                     host_budget=args.host_budget,
                      policies=policies, dtype=args.dtype,
                      device=args.device, backend=args.backend, adapter_dir=args.adapter_dir,
                      cache_dir=args.cache_dir, seed=args.seed, check=not args.no_check,

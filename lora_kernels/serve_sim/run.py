@@ -62,6 +62,7 @@ class SimConfig:
     max_running: int = 16
     max_batch_tokens: int = 256
     max_prefetch: int = 4
+    admit_within: float = 0.25  # overlap policies: a load ready within this share of a step joins it (scheduler.py)
     lookahead: int | None = None
     # Host memory for packed adapters: 'all' (every adapter packed at start: loads are copies only), 'P%'
     # of the adapters' packed bytes, or a size ('512MB'); the rest are read from their folders on demand.
@@ -112,6 +113,8 @@ def _validate_numbers(cfg: SimConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.max_prefetch < 0:
         raise ValueError(f"--max-prefetch must be >= 0, got {cfg.max_prefetch}")
+    if not 0 <= cfg.admit_within <= 1:
+        raise ValueError(f"--admit-within must be in [0, 1] (a share of a step), got {cfg.admit_within}")
     if cfg.rate is not None and not (cfg.rate > 0):
         raise ValueError(f"--rate must be > 0 requests/s (inf: all at once), got {cfg.rate}")
     try:
@@ -205,7 +208,8 @@ def make_engine(cfg: SimConfig, paths: list[Path]) -> ModelEngine:
 
 def scheduler_config(cfg: SimConfig, policy: str) -> SchedulerConfig:
     return SchedulerConfig(policy, cfg.slots, max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
-                           chunk=cfg.chunk, max_prefetch=cfg.max_prefetch, lookahead=cfg.lookahead)
+                           chunk=cfg.chunk, max_prefetch=cfg.max_prefetch, lookahead=cfg.lookahead,
+                           admit_within=cfg.admit_within)
 
 
 def progress_bar(total: int, enabled: bool, desc: str):

@@ -10,7 +10,11 @@ Each step (decided at simulated time `now`, when the previous step has finished)
      blocking          its adapter is loaded on demand and the whole step waits for the copy;
      overlap           its adapter is loaded on demand (side stream) and it keeps waiting; requests
                        behind it that are ready go ahead; it joins the first step after the load is
-                       ready (the overlap rule, `prefetch.split_ready`);
+                       ready (the overlap rule, `prefetch.split_ready`), or a step whose start is at
+                       most `admit_within` (a share of the step's measured lower bound, default 0.25)
+                       before the step could use the load: that step waits for it (a layer-wise load's
+                       layers are waited for on the GPU), which costs the step a fraction of itself
+                       where the request would otherwise wait a whole step (`AdapterState.ready_soon`);
      overlap+prefetch  as overlap, and adapters of requests further back in the queue are loaded
                        ahead (`prefetch.plan_prefetch`, at most `max_prefetch` loads in flight);
                        with a host tier, the next adapters the queue needs that hold no GPU slot (at
@@ -57,6 +61,7 @@ class SchedulerConfig:
     chunk: int = 512
     max_prefetch: int = 4
     lookahead: int | None = None  # waiting requests the prefetcher looks at (None: all)
+    admit_within: float = 0.25  # overlap policies: a load ready within this share of the step joins it
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -69,6 +74,8 @@ class SchedulerConfig:
                              f"(a prompt chunk must fit a step)")
         if self.max_prefetch < 0:
             raise ValueError(f"max_prefetch must be >= 0, got {self.max_prefetch}")
+        if not 0 <= self.admit_within <= 1:
+            raise ValueError(f"admit_within must be in [0, 1] (a share of a step), got {self.admit_within}")
 
 
 @dataclass
@@ -117,6 +124,13 @@ class AdapterState:
             return False
         walk, n = self.walk(rows), len(layers)
         return all(t_l <= now + i / n * walk for i, t_l in enumerate(layers))
+
+    def ready_soon(self, a, now: float, rows: int, share: float) -> bool:
+        """True if a step of at least `rows` rows could use `a` had it started `share` of its measured lower bound
+        (`walk`) later: the step then starts late by at most that much (the simulator starts it when the load
+        allows, `ready_at`, and charges a late layer exactly). Only a load already placed counts."""
+        wait = share * self.walk(rows)
+        return wait > 0 and self.ready_at.get(a) is not None and self.is_ready(a, now + wait, rows)
 
     def observe_step(self, rows: int, compute_s: float) -> None:
         b = max(rows, 1).bit_length() - 1
@@ -246,7 +260,9 @@ class Scheduler:
             if on_demand:
                 virt_budget, virt_seats = virt_budget - n, virt_seats - 1
             a = r.adapter
-            ok = a is None or cache.is_ready(a, now, cfg.max_batch_tokens - budget + n)
+            rows = cfg.max_batch_tokens - budget + n
+            ok = a is None or cache.is_ready(a, now, rows) or (
+                not blocking and cache.ready_soon(a, now, rows, cfg.admit_within))
             if not ok and a in cache.ready_at:
                 # Loading. Blocking: a load issued earlier in this step, which the step waits for
                 # anyway. Overlap: the overlap rule keeps the request waiting.

@@ -21,7 +21,8 @@ The clock (documented in bench/RESULTS.md and the CLI output):
   time and occupy no resource: the ceiling of what hiding loads can give, which every policy is
   reported against.
 - blocking: a step that needs a load starts when the load is ready (host stage and copy both in the
-  critical path); the wait is "GPU stalled on loads". overlap policies: steps never wait for loads;
+  critical path); the wait is "GPU stalled on loads". overlap policies: a step waits only for a load
+  the scheduler admitted as usable within `admit_within` of the step (scheduler.py), counted as stalled;
   time the GPU idles while the only runnable requests wait for their adapters is counted as stalled.
 - Arrivals follow the trace; when nothing can run the clock jumps to the next arrival or load.
 """
