@@ -222,3 +222,15 @@ def test_a_load_ready_within_a_share_of_the_step_may_join_it():
     assert cache.ready_soon("x", 0.0, 64, 0.25)  # 1 s late, a quarter of a 4 s step
     assert not cache.ready_soon("x", 0.0, 64, 0.2) and not cache.ready_soon("x", 0.0, 8, 0.25)  # no bound below 32
     assert not cache.ready_soon("x", 0.0, 64, 0.0)
+
+
+def test_without_the_started_read_the_worker_reads_layer_by_layer(tmp_path, monkeypatch):
+    """No extension start (or a read with a second pass): `start_get` says None and the worker reads the stage, still
+    reporting every layer."""
+    monkeypatch.setattr(reader, "_native_start", None)
+    store = _started_stager_store(tmp_path, ["a"])
+    assert store.start_get("a", LayerProgress(SPEC.layers, pin=False)) is None
+    with HostStager(store, workers=1, layerwise=True) as stager:
+        stage = stager.submit("a")
+        got = stage.result(timeout=30)
+    assert stage.progress.count == SPEC.layers and stage.progress.packed is got and len(stage.layer_seconds) == SPEC.layers
