@@ -72,3 +72,48 @@ def test_a_buffer_stays_while_a_holder_keeps_its_adapter(tmp_path):
     assert arena.stats["in_use"] == store.held_nbytes(held.blocks.nbytes)
     again = store.get("a")
     assert again.buffer.data_ptr() != held.buffer.data_ptr()  # the held range is not handed out twice
+
+
+def test_concurrent_allocs_and_releases_never_hand_out_a_range_twice():
+    import random
+    import threading
+
+    arena = PinnedArena(64 * PAGE, pin=False)
+    owner = torch.full((64,), -1, dtype=torch.int32)  # page -> thread holding it (-1: free)
+    lock, errors = threading.Lock(), []
+
+    def work(tid):
+        rng = random.Random(tid)
+        held = []
+        try:
+            for _ in range(400):
+                if held and (rng.random() < 0.5 or len(held) > 6):
+                    off, n = held.pop(rng.randrange(len(held)))
+                    with lock:
+                        owner[off // PAGE:(off + n) // PAGE] = -1
+                    arena.release(off, n)
+                    continue
+                n = rng.randint(1, 5) * PAGE
+                got = arena.alloc(n)
+                if got is None:
+                    continue
+                off = got[1]
+                with lock:
+                    if (owner[off // PAGE:(off + n) // PAGE] != -1).any():
+                        errors.append((tid, off, n))
+                    owner[off // PAGE:(off + n) // PAGE] = tid
+                held.append((off, n))
+            for off, n in held:
+                with lock:
+                    owner[off // PAGE:(off + n) // PAGE] = -1
+                arena.release(off, n)
+        except BaseException as e:  # reported on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors[:3]
+    assert arena.stats["in_use"] == 0 and arena.free_bytes() == arena.nbytes and arena.stats["allocs"] > 100
