@@ -21,6 +21,8 @@ Changes it can model:
   --cut-ms C                   C ms of fixed cost taken off the start of each replayed host stage
   --prefix-layers K            the first K layers of every adapter kept in host memory, out of the same budget:
                                a cold read starts at layer K (with --stages-from)
+  --admit-within S             the overlap policies' admission share (default: serve-sim's, 0.25; 0: a request
+                               waits for its load to be usable at a step's start)
   --layerwise host|copy|both   layer-wise loads, placed by the simulator layer by layer (LoadTiming's host_layers
                                and h2d_layers): a step may start before the adapter's last layers are in place,
                                and stops at a layer that is late. "copy": the host stage is one unit, its copy is
@@ -31,6 +33,7 @@ Changes it can model:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import OrderedDict
@@ -142,10 +145,13 @@ def main() -> None:
     p.add_argument("--step-a-ms", type=float, default=1.8)
     p.add_argument("--step-b-us", type=float, default=7.0)
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--admit-within", type=float, default=None)
     args = p.parse_args()
     cfg = base_config(SimpleNamespace(requests=100, seeds=args.seeds, loads="0.5,0.8,0.95", dists="zipf:1.5,distinct",
                                       cache_dir=None, host_budget="25%", host_workers=None, smoke=False, layers=8,
                                       backend="auto", timed_layers=None))
+    if args.admit_within is not None:
+        cfg = dataclasses.replace(cfg, admit_within=args.admit_within)
     ranks = [adapter_rank(k, cfg.rank_list()) for k in range(cfg.adapters)]  # as the bench's folders are written
     report = sr.Report(cfg, adapter_ranks=ranks, host={})
     engine = ModelEngine(ranks, args)
