@@ -168,12 +168,13 @@ class HostAdapterStore:
         from lora_kernels.adapters.reader import start_packed
 
         held, path = self._held(adapter_id, progress)
-        if held is not None or self.check_finite:
+        if held is not None:
             return held
         with _named(adapter_id):
             plan = self._checked_plan(adapter_id, path)
             return start_packed(adapter_id, self.spec, self.dtype, pin=self.pin, plan=plan,
-                                read_threads=self.read_threads, progress=progress, arena=self.arena)
+                                read_threads=self.read_threads, progress=progress, arena=self.arena,
+                                check_finite=self.check_finite)
 
     def finish_get(self, adapter_id: str, pending) -> PackedAdapter:
         """Waits for a read begun by `start_get` and holds its adapter; raises its AdapterFormatError, naming the

@@ -170,9 +170,8 @@ def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torc
         rp = _read_plan(plan, spec, packed.blocks, dtype)
         arr = packed.buffer.numpy()
         mv = memoryview(arr)
-        for off, n in rp.zero:
-            arr[off:off + n] = 0
-        by_layer = progress is not None and not (rp.dup or rp.staged or check_finite)
+        _zero_unwritten(arr, rp)
+        by_layer = progress is not None and _in_place(rp, check_finite)
         if by_layer and _native_pread_layers is not None:  # open, reads, close: one GIL release on the worker
             _native_layers(plan.weights_path, packed.buffer, _direct_by_layer(rp, packed.blocks), read_threads,
                            progress)
@@ -201,6 +200,18 @@ def _fill(plan: AdapterPlan, spec: ModelSpec, packed: PackedAdapter, dtype: torc
         e.__traceback__ = e.__context__ = e.__cause__ = None
         return e
     return None
+
+
+def _in_place(rp: _ReadPlan, check_finite: bool) -> bool:
+    """True when every byte of the read lands in place and nothing reads the buffer again (no dtype cast, fused A
+    written into several slices, rescaled B or finite check): only such a read can report layer by layer."""
+    return not (rp.dup or rp.staged or check_finite)
+
+
+def _zero_unwritten(arr, rp: _ReadPlan) -> None:
+    """Zeroes the buffer's rows no tensor writes: the allocator (or the arena) hands back reused bytes."""
+    for off, n in rp.zero:
+        arr[off:off + n] = 0
 
 
 def _native_layers(path: Path, buffer: torch.Tensor, reads: list[tuple[int, int, int, int]], threads: int,
@@ -246,7 +257,8 @@ class PendingRead:
 
 
 def start_packed(adapter_id: str, spec: ModelSpec, dtype: torch.dtype, *, pin: bool, plan: AdapterPlan,
-                 read_threads: int, progress: LayerProgress, arena=None) -> PendingRead | None:
+                 read_threads: int, progress: LayerProgress, arena=None,
+                 check_finite: bool = False) -> PendingRead | None:
     """`read_packed(..., progress=progress)` started on the extension's kept reader threads, returning at once; None
     where that read cannot run there (no extension, or a read with a second pass: `read_packed` then does it).
 
@@ -258,12 +270,11 @@ def start_packed(adapter_id: str, spec: ModelSpec, dtype: torch.dtype, *, pin: b
         return None
     blocks = lay.packed_layout(spec, plan.rank, plan.keys, dtype.itemsize)
     rp = _read_plan(plan, spec, blocks, dtype)
-    if rp.dup or rp.staged:
+    if not _in_place(rp, check_finite):
         return None
     packed = new_packed(adapter_id, blocks, plan.scaling, dtype, pin, arena)
     arr = packed.buffer.numpy()
-    for off, n in rp.zero:
-        arr[off:off + n] = 0
+    _zero_unwritten(arr, rp)
     progress.publish(packed)
     reads = _direct_by_layer(rp, blocks)
     handle = _native_start(str(plan.weights_path), arr, reads, progress.layers, max(1, read_threads),
