@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -148,6 +149,8 @@ class Module:
 
 
 PATH_VARIANTS = ("triton-fused", "triton-tall")  # Triton, one path forced on for every batch size
+CUDA_FUSED = "cuda-fused"  # the cuda backend with its opt-in one-launch decode path on (LORA_KERNELS_CUDA_FUSED=1)
+APPLY_BACKENDS = ("triton", *PATH_VARIANTS, "cuda", CUDA_FUSED)  # those with an eager host time and an invariance check
 
 
 def path_on(variant: str, fn):
@@ -208,6 +211,8 @@ def run_bench(args):
     print(f"# {common.device_name()}, copy bandwidth {bw:.0f} GB/s (read + write), bf16, graph replay, "
           f"{ROUNDS} interleaved rounds")
     backends = [b for b in args.backends.split(",") if b]
+    if not lk.HAS_CUDA_EXT and CUDA_FUSED in backends:
+        backends.remove(CUDA_FUSED)
     if "cuda" in backends and not lk.HAS_CUDA_EXT:
         print("# cuda backend skipped: extension not built")
         backends.remove("cuda")
@@ -235,9 +240,9 @@ def run_bench(args):
             if " " in v:
                 best.setdefault(v.split()[0], []).append(med)
         if case.kind == "decode" and case.batch == 1 and case.pop == "distinct":
-            host_rows += host_overhead(case, mods, [b for b in backends if b in ("triton", *PATH_VARIANTS, "cuda")])
+            host_rows += host_overhead(case, mods, [b for b in backends if b in APPLY_BACKENDS])
         if "sorted" in infos:
-            inv_rows += invariance(case, mods, [b for b in backends if b in ("triton", *PATH_VARIANTS, "cuda")])
+            inv_rows += invariance(case, mods, [b for b in backends if b in APPLY_BACKENDS])
         del mods
         torch.cuda.empty_cache()
     print()
@@ -292,9 +297,9 @@ def invariance(case, mods, backends) -> list[dict]:
                 res[order] = o
             row = {"case": case.name, "backend": b, "module": m,
                    "bit_equal": bool(torch.equal(res["sorted"], res["unsorted"]))}
-            if b in PATH_VARIANTS:  # and the same bits as the default path
+            if b in PATH_VARIANTS or b == CUDA_FUSED:  # and the same bits as the default path
                 o = base.clone()
-                apply("triton", x, o, a, bw, mod.infos["sorted"], mod.offsets)
+                apply("cuda" if b == CUDA_FUSED else "triton", x, o, a, bw, mod.infos["sorted"], mod.offsets)
                 row["bit_equal"] = row["bit_equal"] and bool(torch.equal(o, res["sorted"]))
             out.append(row)
     return out
@@ -304,6 +309,12 @@ def apply(backend: str, x, out, a, b, info, offsets) -> None:
     """apply_lora through `backend`, where a PATH_VARIANTS name is Triton with that path on."""
     if backend in PATH_VARIANTS:
         path_on(backend, lambda: lk.apply_lora(x, out, a, b, info, offsets, backend="triton"))
+    elif backend == CUDA_FUSED:  # the choice is made per call: a graph captured through this keeps one launch
+        os.environ["LORA_KERNELS_CUDA_FUSED"] = "1"
+        try:
+            lk.apply_lora(x, out, a, b, info, offsets, backend="cuda")
+        finally:
+            del os.environ["LORA_KERNELS_CUDA_FUSED"]
     else:
         lk.apply_lora(x, out, a, b, info, offsets, backend=backend)
 
@@ -498,7 +509,7 @@ def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cuda,loop,bmm",
                    help="comma list of triton,cuda,loop,bmm; triton-fused / triton-tall: Triton with the one-launch "
-                   "decode / the tall-tile path on")
+                   "decode / the tall-tile path on; cuda-fused: cuda with its opt-in one-launch decode path on")
     p.add_argument("--cases", default="", help="comma list of substrings of case names to run (default: all)")
     p.add_argument("--tune", action="store_true", help="sweep the Triton block table instead of benchmarking")
     p.add_argument("--write-tables", action="store_true", help="with --tune: write lora_kernels/backends/tables.py")

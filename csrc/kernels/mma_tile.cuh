@@ -51,6 +51,10 @@ __device__ __forceinline__ void for_each_acc_pair(const WarpAcc<MT, NT>& acc, in
           acc[mt][nt][2 * h + 1]);
 }
 
+// An expand's output element: out + scaling * acc as one fused multiply-add, written out so that every expand
+// kernel rounds it the same way (the one-launch path must give the two launches' bits).
+__device__ __forceinline__ float expand_out(float old, float scale, float acc) { return __fmaf_rn(scale, acc, old); }
+
 template <typename V>
 __device__ __forceinline__ void store_pair(V* dst, float a, float b) {
   Pack<V, 2> pk;

@@ -89,7 +89,7 @@ __device__ __forceinline__ void expand_epilogue(const TileAcc& acc, T* out_sm, T
     if (rows_sm[r] < 0 || it.n0 + c >= it.n_end) return;
     T* o = out_sm + r * kExpandOutLd + c;
     const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
-    store_pair(o, to_float(old.v[0]) + scale * lo, to_float(old.v[1]) + scale * hi);
+    store_pair(o, expand_out(to_float(old.v[0]), scale, lo), expand_out(to_float(old.v[1]), scale, hi));
   });
   __syncthreads();
 #pragma unroll

@@ -28,6 +28,14 @@ bool pdl_enabled() {
   return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
+// The one-launch path of sgmv_apply is opt-in, LORA_KERNELS_CUDA_FUSED=1: on the H200 it measured slower than the
+// two launches (bench/RESULTS.md, tenth session). Read at each call: the GPU tests compare its bits with the two
+// launches' in one process.
+bool fused_enabled() {
+  const char* env = std::getenv("LORA_KERNELS_CUDA_FUSED");
+  return env && std::strcmp(env, "1") == 0;
+}
+
 LaunchCfg make_cfg(int64_t items_upper, int ctas_per_sm) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return LaunchCfg{at::cuda::getCurrentCUDAStream(), persistent_grid(items_upper, ctas_per_sm, sms), pdl_enabled()};
@@ -149,6 +157,17 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
                      static_cast<int>(offs.size()) - 1, aligned);
 }
 
+// The one-launch path where its limits hold and the device runs it (sgmv_plan.h: fused_fits); false otherwise.
+bool try_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& scalings,
+               at::IntArrayRef offs, at::Tensor& out, const WorkArgs& w, const ShrinkArgs& p, const ShrinkPlan& sp) {
+  const ExpandPlan ep = plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
+                                    static_cast<int>(offs.size()) - 1,
+                                    aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()));
+  if (!fused_fits(sp, ep, lora_b.size(2), lora_a.size(1))) return false;
+  const ExpandArgs e = make_expand_args(w, lora_b, scalings, offs, out, ep, 1);
+  return run_fused(x, lora_a, lora_b, out, p, e, pdl_enabled());
+}
+
 }  // namespace
 
 void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& work, const at::Tensor& lora_ranks,
@@ -217,6 +236,9 @@ void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
                                     aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()));
   const WorkArgs w = make_work(work, lora_ranks, permutation, max_tiles, x.size(0));
   const ShrinkArgs p = make_shrink_args(w, x, lora_a, num_slices, sp);
+  if (x.size(0) <= kFusedMaxRows && fused_enabled() && try_fused(x, lora_a, lora_b, scalings, slice_offsets, out, w,
+                                                                 p, sp))
+    return;
   // fp32 v, or the shrink's split-K planes, which the expand sums in plane order: the same bits as
   // sgmv_shrink (planes reduced in the same order) followed by sgmv_expand on an fp32 v.
   at::Tensor ws = at::empty({sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));

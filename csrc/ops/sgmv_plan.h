@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/sgmv_expand_mma.cuh"
+#include "kernels/sgmv_fused_cluster.cuh"
 #include "kernels/sgmv_shrink_mma.cuh"
 #include "kernels/sgmv_simt.cuh"
 #include "ops/limits.h"
@@ -78,6 +79,19 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   e.n_tiles = e.tile_start[num_slices];
   e.ctas_per_sm = 4;
   return e;
+}
+
+// sgmv_apply's one-launch path (kernels/sgmv_fused_cluster.cuh; opt-in, LORA_KERNELS_CUDA_FUSED=1, sm_90+) up to
+// this many rows of x: beyond it a cluster runs a tile's whole expand alone (tiles outnumber clusters / 2), which
+// measured 2-3x slower than the two launches at 16 rows. It computes the two launches' bits, so the choice by rows
+// keeps batch invariance.
+constexpr int64_t kFusedMaxRows = 8;
+
+// Whether the one-launch kernel covers these plans: both tensor-core paths, R a multiple of 16 up to
+// kFusedMaxR (one rank slab), and the partial blocks of an owner CTA within its shared memory.
+inline bool fused_fits(const ShrinkPlan& s, const ExpandPlan& e, int64_t R, int64_t N) {
+  if (!s.mma || !e.mma || R % 16 != 0 || R > kFusedMaxR || N % 16 != 0) return false;
+  return s.splits * cdiv(N / 16, kFusedCluster) <= kFusedMaxParts;
 }
 
 // Persistent grid: ctas_per_sm CTAs on every SM, never more than the work list's capacity can use.

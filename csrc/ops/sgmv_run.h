@@ -16,4 +16,9 @@ void run_split_reduce(const float* ws, void* v, at::ScalarType v_dtype, const Sh
 void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
                 const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg);
 
+// out += LoRA(x) in one launch (kernels/sgmv_fused_cluster.cuh). Returns false, having launched nothing, where
+// the device or this build cannot run it (no sm_90 code, compute capability < 9, no cluster fits).
+bool run_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, at::Tensor& out,
+               const ShrinkArgs& sp, const ExpandArgs& ep, bool pdl);
+
 }  // namespace lora_kernels
