@@ -357,6 +357,7 @@ def tune_candidates(keys: str = "") -> list[dict]:
              ("shrink", {"ctas_per_sm": 2}), ("shrink", {"ctas_per_sm": 8}), ("shrink", {"k_chunk_min": 256}),
              ("shrink", {"k_chunk_min": 1024}), ("shrink", {"num_stages": 4}), ("shrink", {"block_k": 64}),
              ("shrink", {"max_split": 16, "k_chunk_min": 256}),  # shorter K chains for small batches
+             ("shrink", {"max_split": 32, "k_chunk_min": 128}),  # one 128-wide K step per chain at K 4096
              ("shrink", {"max_split": 16}),  # only down (K 14336: 16 chains of 7 steps, not 8 of 14) changes
              ("shrink", {"block_n": 32}), ("shrink", {"block_n": 16}),  # more programs for small batches (qkv S*R 48)
              ("expand", {"ctas_per_sm": 4}), ("expand", {"ctas_per_sm": 16}), ("expand", {"block_n": 64}),

@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from lora_kernels.integrations import _hf_mlp  # noqa: E402
 from lora_kernels.integrations.hf import BASE, enable_multi_lora  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -152,6 +153,8 @@ def test_outside_calls_and_remove():
     mlm = enable_multi_lora(pm)
     assert list(pm.state_dict()) == keys  # the module tree is unchanged, and its values
     assert all(torch.equal(v, values[k]) for k, v in pm.state_dict().items())
+    mlp = pm.get_base_model().model.layers[1].mlp
+    assert "forward" in mlp.__dict__  # the gated SiLU MLP computes from the stacked gate_up output (_hf_mlp)
     attn = pm.get_base_model().model.layers[1].self_attn  # q/k/v are views of one stacked weight (one GEMM)
     qkv = [getattr(attn, m).get_base_layer() for m in ("q_proj", "k_proj", "v_proj")]
     assert len({lin.weight.untyped_storage().data_ptr() for lin in qkv}) == 1
@@ -161,6 +164,7 @@ def test_outside_calls_and_remove():
     out = mlm(input_ids=ids, attention_mask=mask, adapter_names=["beta"] * len(ROWS)).logits
     assert rel(out, single) <= 1e-5
     mlm.remove()
+    assert "forward" not in mlp.__dict__
     assert len({lin.weight.untyped_storage().data_ptr() for lin in qkv}) == 3  # own storage again (saveable)
     assert all(torch.equal(v, values[k]) for k, v in pm.state_dict().items())
     with torch.no_grad():
@@ -261,8 +265,13 @@ def check_bf16(out, ref16, ref32):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mlp_kernel", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gpu_bf16_matches_peft(arch):
+def test_gpu_bf16_matches_peft(arch, mlp_kernel, monkeypatch):
+    """mlp_kernel: the one-pass SiLU MLP kernel for every batch (it runs from MIN_ELEMS products otherwise)."""
+    if mlp_kernel:
+        monkeypatch.setattr(_hf_mlp, "MIN_ELEMS", 0)
+        monkeypatch.setenv("LORA_KERNELS_HF_MLP_KERNEL", "1")
     pm32, pm16 = bf16_pair(arch)
     ids, mask = inputs(device="cuda", seq=33)
     with torch.no_grad():

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from lora_kernels.adapters import AdapterLoader, GpuAdapterPool, HostAdapterStore, ModelSpec
 from lora_kernels.backends.cuda import HAS_CUDA_EXT
 from lora_kernels.batch_info import BatchInfoBuilder
+from lora_kernels.integrations import _hf_mlp
 from lora_kernels.integrations._hf_adapters import (MEMBERS, base_linear, check_peft_config, collect_modules,
                                                     folder_rank, weights_from_modules)
 from lora_kernels.ops import apply_lora
@@ -127,20 +128,34 @@ def _stack_weights(linears) -> tuple:
 
 
 def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, out_total] of group g on x (_group_compute), kept until every member has taken its slice."""
+    if g.x is x:
+        return g.out
+    out = _group_compute(rt, g, x)
+    if len(g.linears) > 1:
+        g.x, g.out, g.unserved = x, out, (1 << len(g.linears)) - 1
+    return out
+
+
+def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
     """[batch, seq, out_total]: the group's base GEMM on x plus every row's LoRA delta (one apply_lora). x goes to
     F.linear as it is and the members get plain slices of the result: in an eager decode step every extra torch
     call (a reshape, a view) is host time, which is what the step costs."""
-    if g.x is x:
-        return g.out
     info = rt.info_for(x)
     out = F.linear(x, g.weight, g.bias)  # the group's one GEMM (stacked weights); contiguous
     if info is not None:
         x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
         apply_lora(x2, out.view(-1, out.shape[-1]), g.lora_a, g.lora_b, info, g.offsets,
                    backend=rt.decode_backend if x.shape[1] == 1 else rt.backend)
-    if len(g.linears) > 1:
-        g.x, g.out, g.unserved = x, out, (1 << len(g.linears)) - 1
     return out
+
+
+def _mlp_forward(rt: "_Runtime", g: _Group, down, original, x, *args, **kwargs):
+    """The patched forward of a gated SiLU MLP (group g: its gate_up): down(silu(gate) * up) from the stacked
+    output in one pass (_hf_mlp.silu_mul), the stacked output not kept."""
+    if rt.slots is None or args or kwargs:
+        return original(x, *args, **kwargs)
+    return down(_hf_mlp.silu_mul(_group_compute(rt, g, x)))
 
 
 def _member_forward(rt: "_Runtime", g: _Group, index: int, original, x, *args, **kwargs):
@@ -322,6 +337,18 @@ class MultiLoRAModel:
                     saved = m.__dict__.get("forward")
                     m.forward = functools.partial(_member_forward, self._rt, g, sl, m.forward)
                     self._patched.append((m, saved))
+                if gname == "gate_up_proj":
+                    self._patch_mlp(layer.mlp, g)
+
+    def _patch_mlp(self, mlp, g: _Group) -> None:
+        """mlp computes from its group's stacked output in one pass, where it is the gated SiLU MLP with gate and up
+        of one width (else its own forward runs on the members' slices)."""
+        widths = [b - a for a, b in zip(g.offsets, g.offsets[1:])]
+        if len(widths) != 2 or widths[0] != widths[1] or not _hf_mlp.silu_gated(mlp):
+            return
+        saved = mlp.__dict__.get("forward")
+        mlp.forward = functools.partial(_mlp_forward, self._rt, g, mlp.down_proj, mlp.forward)
+        self._patched.append((mlp, saved))
 
     def _hook_lm_head(self) -> None:
         """lm_head gets its input contiguous inside a call. Prefill hands it the last position's slice of the hidden
