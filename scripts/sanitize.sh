@@ -8,6 +8,8 @@
 #                  (tests/test_loader_gpu.py, which holds the batched_h2d_copy op tests)
 #
 #   scripts/sanitize.sh                                   # memcheck + racecheck over the loader tests
+#   scripts/sanitize.sh kernels                           # all four tools over the cuda kernels' small-shape
+#                                                         # GPU tests and the one-launch kernel's (issue 21)
 #   scripts/sanitize.sh racecheck -- tests/test_loader_gpu.py -k evict
 #   scripts/sanitize.sh memcheck,initcheck -- tests/test_cuda_backend.py -x
 #
@@ -20,7 +22,13 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 
 tools="memcheck,racecheck"
-if [ $# -gt 0 ] && [ "$1" != "--" ]; then tools=$1; shift; fi
+if [ $# -gt 0 ] && [ "$1" = "kernels" ]; then
+  shift
+  tools="memcheck,racecheck,synccheck,initcheck"
+  [ $# -gt 0 ] && [ "$1" = "--" ] && shift
+  [ $# -eq 0 ] && set -- tests/test_cuda_backend.py tests/test_cuda_fused.py -k "small or qkv-16-1"
+fi
+if [ $# -gt 0 ] && [ "$1" != "--" ] && [ "${1#-}" = "$1" ] && [ "${1#tests}" = "$1" ]; then tools=$1; shift; fi
 [ $# -gt 0 ] && [ "$1" = "--" ] && shift
 if [ $# -eq 0 ]; then set -- tests/test_loader_gpu.py -k "not 10k"; fi
 
