@@ -48,6 +48,8 @@ constexpr int kFusedVElems = kMaxSlices * kSlab;
 constexpr int kFusedBaseBytes = (kFusedRingElems + kFusedBElems + kFusedVElems) * 2;
 constexpr int kFusedSmemBytes = kFusedBaseBytes + kFusedMaxParts * 256 * 4;
 inline int fused_smem_bytes(int parts) { return kFusedBaseBytes + parts * 256 * 4; }
+// 16-column groups of v an owner CTA holds: group g belongs to CTA g % kFusedCluster, block g / kFusedCluster.
+__host__ __device__ constexpr int fused_groups_per_owner(int N) { return (N / 16 + kFusedCluster - 1) / kFusedCluster; }
 
 // Where lane `lane` copies from for the 16 x 64 slabs of one shrink job: rows (lane >> 3) + 4 i, chunk lane & 7.
 template <typename T>
@@ -116,6 +118,11 @@ __device__ __forceinline__ void warp_shrink_chain(TileAcc& acc, const JobCopy<T>
   __syncwarp();
 }
 
+// Expand jobs (16 output columns each) of slice i; 0 for slices past num_slices.
+__device__ __forceinline__ int slice_jobs(const ExpandArgs& p, int i) {
+  return i < p.num_slices ? (pick(p.offsets, i + 1) - pick(p.offsets, i) + 15) / 16 : 0;
+}
+
 // The expand job e (16 output columns numbered over the slices): slice, first column, end of the slice.
 __device__ __forceinline__ void expand_job(const ExpandArgs& p, int e, int& slice, int& n0, int& n_end) {
   slice = 0;
@@ -123,7 +130,7 @@ __device__ __forceinline__ void expand_job(const ExpandArgs& p, int e, int& slic
   bool found = false;  // slices are tried in order; the first whose jobs reach past e holds it
 #pragma unroll
   for (int i = 0; i < kMaxSlices; ++i) {
-    const int jobs = i < p.num_slices ? (pick(p.offsets, i + 1) - pick(p.offsets, i) + 15) / 16 : 0;
+    const int jobs = slice_jobs(p, i);
     if (!found && i < p.num_slices && e >= base + jobs) {
       base += jobs;
       slice = i + 1;
@@ -138,8 +145,7 @@ __device__ __forceinline__ void expand_job(const ExpandArgs& p, int e, int& slic
 __device__ __forceinline__ int expand_jobs(const ExpandArgs& p) {
   int n = 0;
 #pragma unroll
-  for (int i = 0; i < kMaxSlices; ++i)
-    if (i < p.num_slices) n += (pick(p.offsets, i + 1) - pick(p.offsets, i) + 15) / 16;
+  for (int i = 0; i < kMaxSlices; ++i) n += slice_jobs(p, i);
   return n;
 }
 
@@ -165,7 +171,7 @@ __device__ __forceinline__ void fused_shrink(cg::cluster_group& cluster, const T
                                              const TileInfo& ti, const int* rows_sm, T* ring, float* part,
                                              bool& waited) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, crank = static_cast<int>(cluster.block_rank());
-  const int NG = p.N / 16, jobs = p.splits * NG, per_owner = (NG + kFusedCluster - 1) / kFusedCluster;
+  const int NG = p.N / 16, jobs = p.splits * NG, per_owner = fused_groups_per_owner(p.N);
   T* my_ring = ring + warp * kFusedStages * 2 * kSlab;
   for (int j = crank + kFusedCluster * warp; j < jobs; j += kFusedCluster * kFusedWarps) {
     const int ks = j / NG, g = j % NG;
@@ -188,7 +194,7 @@ template <typename T>
 __device__ __forceinline__ void fused_reduce(cg::cluster_group& cluster, const ShrinkArgs& p, const TileInfo& ti,
                                              const int* rows_sm, const float* part, T* vs) {
   const int crank = static_cast<int>(cluster.block_rank());
-  const int NG = p.N / 16, per_owner = (NG + kFusedCluster - 1) / kFusedCluster;
+  const int NG = p.N / 16, per_owner = fused_groups_per_owner(p.N);
   for (int idx = threadIdx.x; idx < per_owner * 64; idx += kFusedThreads) {
     const int lg = idx >> 6, r = (idx >> 2) & 15, q = idx & 3, g = lg * kFusedCluster + crank;
     if (g >= NG) continue;
@@ -214,41 +220,42 @@ __device__ __forceinline__ void fused_reduce(cg::cluster_group& cluster, const S
   }
 }
 
-// This lane's out pairs of an expand job (rows lane / 4 and + 8, columns 8 nt + 2 (lane % 4)), read after
-// griddep_wait: out is the previous kernel's output.
+// f(nt, h, dst) for this lane's out pairs of an expand job that exist (rows lane / 4 and + 8 of the tile, columns
+// n0 + 8 nt + 2 (lane % 4): the m16n8 accumulator layout), dst the pair's place in out.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_out_pair(T* out, const ExpandArgs& p, const int* rows_sm, int n0, int n_end,
+                                                  int lane, F&& f) {
+#pragma unroll
+  for (int nt = 0; nt < kWarpNT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = (lane >> 2) + h * 8, c = n0 + nt * 8 + (lane & 3) * 2;
+      if (rows_sm[r] >= 0 && c < n_end) f(nt, h, out + static_cast<int64_t>(rows_sm[r]) * p.out_total + c);
+    }
+}
+
+// This lane's out pairs, read after griddep_wait: out is the previous kernel's output.
 template <typename T>
 struct OutPairs {
   Pack<T, 2> v[kWarpNT][2];
 };
 
 template <typename T>
-__device__ __forceinline__ OutPairs<T> load_out_pairs(const T* out, const ExpandArgs& p, const int* rows_sm, int n0,
+__device__ __forceinline__ OutPairs<T> load_out_pairs(T* out, const ExpandArgs& p, const int* rows_sm, int n0,
                                                       int n_end, int lane) {
   OutPairs<T> o;
-#pragma unroll
-  for (int nt = 0; nt < kWarpNT; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = (lane >> 2) + h * 8, c = n0 + nt * 8 + (lane & 3) * 2;
-      if (rows_sm[r] >= 0 && c < n_end)
-        o.v[nt][h] = *reinterpret_cast<const Pack<T, 2>*>(out + static_cast<int64_t>(rows_sm[r]) * p.out_total + c);
-    }
+  for_each_out_pair(out, p, rows_sm, n0, n_end, lane,
+                    [&](int nt, int h, T* src) { o.v[nt][h] = *reinterpret_cast<const Pack<T, 2>*>(src); });
   return o;
 }
 
 template <typename T>
 __device__ __forceinline__ void store_out_pairs(const TileAcc& acc, const OutPairs<T>& o, T* out, const ExpandArgs& p,
                                                 const int* rows_sm, int n0, int n_end, float scale, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < kWarpNT; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = (lane >> 2) + h * 8, c = n0 + nt * 8 + (lane & 3) * 2;
-      if (rows_sm[r] >= 0 && c < n_end)
-        store_pair(out + static_cast<int64_t>(rows_sm[r]) * p.out_total + c,
-                   expand_out(to_float(o.v[nt][h].v[0]), scale, acc[0][nt][2 * h]),
-                   expand_out(to_float(o.v[nt][h].v[1]), scale, acc[0][nt][2 * h + 1]));
-    }
+  for_each_out_pair(out, p, rows_sm, n0, n_end, lane, [&](int nt, int h, T* dst) {
+    store_pair(dst, expand_out(to_float(o.v[nt][h].v[0]), scale, acc[0][nt][2 * h]),
+               expand_out(to_float(o.v[nt][h].v[1]), scale, acc[0][nt][2 * h + 1]));
+  });
 }
 
 // The CTA's expand jobs of column group g: e = lo + rank + cluster * (warp + warps * round). B slabs are
@@ -381,7 +388,7 @@ cudaError_t launch_fused_cluster(const T* x, const T* a, const T* b, T* out, con
   cudaLaunchConfig_t lc = {};
   lc.gridDim = dim3(clusters * kFusedCluster);
   lc.blockDim = dim3(kFusedThreads);
-  lc.dynamicSmemBytes = fused_smem_bytes(sp.splits * ((sp.N / 16 + kFusedCluster - 1) / kFusedCluster));
+  lc.dynamicSmemBytes = fused_smem_bytes(sp.splits * fused_groups_per_owner(sp.N));
   lc.stream = stream;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;  // set at launch: a compute_80 build has no __cluster_dims__

@@ -91,7 +91,7 @@ constexpr int64_t kFusedMaxRows = 8;
 // kFusedMaxR (one rank slab), and the partial blocks of an owner CTA within its shared memory.
 inline bool fused_fits(const ShrinkPlan& s, const ExpandPlan& e, int64_t R, int64_t N) {
   if (!s.mma || !e.mma || R % 16 != 0 || R > kFusedMaxR || N % 16 != 0) return false;
-  return s.splits * cdiv(N / 16, kFusedCluster) <= kFusedMaxParts;
+  return s.splits * fused_groups_per_owner(static_cast<int>(N)) <= kFusedMaxParts;
 }
 
 // Persistent grid: ctas_per_sm CTAs on every SM, never more than the work list's capacity can use.
