@@ -310,11 +310,15 @@ def apply(backend: str, x, out, a, b, info, offsets) -> None:
     if backend in PATH_VARIANTS:
         path_on(backend, lambda: lk.apply_lora(x, out, a, b, info, offsets, backend="triton"))
     elif backend == CUDA_FUSED:  # the choice is made per call: a graph captured through this keeps one launch
+        before = os.environ.get("LORA_KERNELS_CUDA_FUSED")
         os.environ["LORA_KERNELS_CUDA_FUSED"] = "1"
         try:
             lk.apply_lora(x, out, a, b, info, offsets, backend="cuda")
-        finally:
-            del os.environ["LORA_KERNELS_CUDA_FUSED"]
+        finally:  # the caller's setting back, so that the plain "cuda" variant keeps its own path
+            if before is None:
+                del os.environ["LORA_KERNELS_CUDA_FUSED"]
+            else:
+                os.environ["LORA_KERNELS_CUDA_FUSED"] = before
     else:
         lk.apply_lora(x, out, a, b, info, offsets, backend=backend)
 
