@@ -25,6 +25,11 @@ TORCH_LIBRARY(lora_kernels, m) {
   m.def(
       "sgmv_apply(Tensor x, Tensor lora_a, Tensor lora_b, Tensor work, Tensor lora_ranks, Tensor scalings, "
       "Tensor? permutation, int[] slice_offsets, int max_tiles, Tensor(a!) out) -> ()");
+  // linear(x, weight, bias) with sgmv_apply added into it: x [..., in_dim] contiguous, returns [..., out_total].
+  // One call for a LoRA-targeted Linear, for eager callers whose host time is the cost (decode steps).
+  m.def(
+      "sgmv_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, Tensor work, "
+      "Tensor lora_ranks, Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_tiles) -> Tensor");
   // dsts[i].copy_(srcs[i]) for pinned host srcs, all on the current stream, in one call.
   m.def("batched_h2d_copy(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
 }
@@ -33,6 +38,7 @@ TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
   m.impl("sgmv_shrink", &lora_kernels::sgmv_shrink);
   m.impl("sgmv_expand", &lora_kernels::sgmv_expand);
   m.impl("sgmv_apply", &lora_kernels::sgmv_apply);
+  m.impl("sgmv_linear", &lora_kernels::sgmv_linear);
   m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
 }
 

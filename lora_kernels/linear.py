@@ -11,7 +11,8 @@ captured in a CUDA graph.
 
 Modes (``mode=``, default "auto"):
 
-* ``serial``   base, then `apply_lora` on the current stream (the plain composition).
+* ``serial``   base, then `apply_lora` on the current stream (the plain composition); on the cuda backend
+               with no ``out`` given, both in one host call (the extension's ``sgmv_linear``, the same bits).
 * ``overlap``  the shrink ``v = x Aᵀ`` (fp32) runs on a side stream while the base runs on the current
                stream; the current stream then waits for it and runs the expand into y in place. The
                expand must follow the base: it adds into the base's output.
@@ -181,6 +182,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
     """
     slice_offsets = tuple(slice_offsets)
     _check_lora(x, lora_a, lora_b, info, slice_offsets)
+    fresh = out is None
     out = _check_linear(x, weight, bias, out)
     if weight.shape[0] != slice_offsets[-1]:
         raise ValueError(f"weight has {weight.shape[0]} output rows (shape {tuple(weight.shape)}) but slice_offsets "
@@ -199,6 +201,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
                                                                           slice_offsets, backend):
             return torch.addmm(out, x, weight.t(), out=out)
         mode = "serial"
+    if mode == "serial" and fresh and x.is_cuda and resolve_backend(backend, x.device, info) == "cuda":
+        from lora_kernels.backends.cuda import BACKEND as CUDA
+
+        return CUDA.linear(x, weight, bias, lora_a, lora_b, info, slice_offsets)  # GEMM and LoRA: one host call
     if bias is None:
         def base():
             return torch.mm(x, weight.t(), out=out)

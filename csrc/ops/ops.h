@@ -17,6 +17,12 @@ void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
                 const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
                 at::Tensor& out);
 
+at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+                       const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                       const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
+                       int64_t max_tiles);
+
 void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts);
 
 }  // namespace lora_kernels

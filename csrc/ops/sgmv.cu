@@ -260,4 +260,34 @@ void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   run_expand(wsp, at::kFloat, lora_b, out, e, ep, make_cfg(max_tiles * ep.n_tiles, ep.ctas_per_sm));
 }
 
+at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+                       const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                       const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
+                       int64_t max_tiles) {
+  CHECK_INPUT(x);
+  TORCH_CHECK(x.dim() >= 2, "x must be [..., in_dim] with at least 2 dims, got shape ", x.sizes());
+  CHECK_DIM(2, weight);  // [out_total, in_dim]
+  CHECK_SAME_DEVICE(weight, x);
+  CHECK_DTYPE(weight, x.scalar_type());
+  TORCH_CHECK(weight.size(1) == x.size(-1), "weight must have shape [out_total, ", x.size(-1), "] (x's in_dim), got ",
+              weight.sizes());
+  TORCH_CHECK(weight.size(0) == lora_b.size(1), "weight has ", weight.size(0), " output rows but lora_b out_total ",
+              lora_b.size(1));
+  if (bias) {
+    CHECK_DIM(1, *bias);
+    CHECK_SAME_DEVICE(*bias, x);
+    CHECK_DTYPE(*bias, x.scalar_type());
+    TORCH_CHECK(bias->size(0) == weight.size(0), "bias must have shape [", weight.size(0), "], got ", bias->sizes());
+  }
+  // One host call for the base GEMM and the LoRA launches: an eager decode step is host-bound, and each
+  // Python-to-C++ crossing it saves is several µs per module.
+  at::Tensor out = at::linear(x, weight, bias);
+  if (!out.is_contiguous()) out = out.contiguous();
+  at::Tensor out2 = out.view({-1, out.size(-1)});
+  sgmv_apply(x.view({-1, x.size(-1)}), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
+             max_tiles, out2);
+  return out;
+}
+
 }  // namespace lora_kernels

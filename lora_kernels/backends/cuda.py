@@ -7,6 +7,8 @@ lora_kernels/batch_info.py) plus `lora_ranks`, `scalings` and the optional permu
     sgmv_shrink(x, lora_a, work, lora_ranks, permutation, num_slices, max_tiles, v!)
     sgmv_expand(v, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out!)
     sgmv_apply(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out!)
+    sgmv_linear(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
+                max_tiles) -> y        (y = linear(x, weight, bias), then sgmv_apply into it; x [..., in_dim])
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class CudaBackend:
         torch.ops.lora_kernels.sgmv_apply.default(x, lora_a, lora_b, work, ranks, info.scalings, perm,
                                                   list(slice_offsets), info.max_tiles, base_out)
 
+    def linear(self, x, weight, bias, lora_a, lora_b, info, slice_offsets):
+        """linear(x, weight, bias) plus the LoRA delta, in one host call (x [..., in_dim] contiguous); the C++ op
+        checks every argument."""
+        work, ranks, perm = work_args(info)
+        return torch.ops.lora_kernels.sgmv_linear.default(x, weight, bias, lora_a, lora_b, work, ranks, info.scalings,
+                                                          perm, list(slice_offsets), info.max_tiles)
+
 
 def _register_fakes() -> None:
     @torch.library.register_fake("lora_kernels::sgmv_shrink")
@@ -68,6 +77,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lora_kernels::sgmv_apply")
     def _apply_fake(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
         return None
+
+    @torch.library.register_fake("lora_kernels::sgmv_linear")
+    def _linear_fake(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
+                     max_tiles):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("lora_kernels::batched_h2d_copy")
     def _copy_fake(srcs, dsts):

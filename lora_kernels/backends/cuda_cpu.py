@@ -25,6 +25,11 @@ def work_rows(work: torch.Tensor, max_tiles: int, permutation: torch.Tensor | No
     return indptr, torch.repeat_interleave(slots, counts).int(), rows.int()
 
 
+def _apply_cpu(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
+    indptr, slots, rows = work_rows(work, max_tiles, permutation, lora_ranks.shape[0])
+    reference.apply_lora(x, lora_a, lora_b, indptr, slots, lora_ranks, scalings, rows, slice_offsets, out)
+
+
 def register() -> None:
     @torch.library.impl("lora_kernels::sgmv_shrink", "CPU")
     def _shrink_cpu(x, lora_a, work, lora_ranks, permutation, num_slices, max_tiles, v):
@@ -36,7 +41,12 @@ def register() -> None:
         indptr, slots, rows = work_rows(work, max_tiles, permutation, lora_ranks.shape[0])
         reference.sgmv_expand(v, lora_b, indptr, slots, lora_ranks, scalings, rows, slice_offsets, out)
 
-    @torch.library.impl("lora_kernels::sgmv_apply", "CPU")
-    def _apply_cpu(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out):
-        indptr, slots, rows = work_rows(work, max_tiles, permutation, lora_ranks.shape[0])
-        reference.apply_lora(x, lora_a, lora_b, indptr, slots, lora_ranks, scalings, rows, slice_offsets, out)
+    torch.library.impl("lora_kernels::sgmv_apply", "CPU")(_apply_cpu)
+
+    @torch.library.impl("lora_kernels::sgmv_linear", "CPU")
+    def _linear_cpu(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
+                    max_tiles):
+        out = torch.nn.functional.linear(x, weight, bias).contiguous()
+        _apply_cpu(x.reshape(-1, x.shape[-1]), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
+                   max_tiles, out.view(-1, out.shape[-1]))
+        return out

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_kernels.adapters import AdapterLoader, GpuAdapterPool, HostAdapterStore, ModelSpec
-from lora_kernels.backends.cuda import HAS_CUDA_EXT
+from lora_kernels.backends.cuda import BACKEND as CUDA, HAS_CUDA_EXT
 from lora_kernels.batch_info import BatchInfoBuilder
 from lora_kernels.integrations import _hf_mlp
 from lora_kernels.integrations._hf_adapters import (MEMBERS, base_linear, check_peft_config, collect_modules,
@@ -142,11 +142,16 @@ def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
     F.linear as it is and the members get plain slices of the result: in an eager decode step every extra torch
     call (a reshape, a view) is host time, which is what the step costs."""
     info = rt.info_for(x)
-    out = F.linear(x, g.weight, g.bias)  # the group's one GEMM (stacked weights); contiguous
-    if info is not None:
-        x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-        apply_lora(x2, out.view(-1, out.shape[-1]), g.lora_a, g.lora_b, info, g.offsets,
-                   backend=rt.decode_backend if x.shape[1] == 1 else rt.backend)
+    if info is None:
+        return F.linear(x, g.weight, g.bias)  # the group's one GEMM (stacked weights); contiguous
+    backend = rt.decode_backend if x.shape[1] == 1 else rt.backend
+    if backend == "cuda" and x.is_cuda and x.is_contiguous():
+        # GEMM and LoRA in one host call (the extension's sgmv_linear checks every argument): what an eager
+        # decode step pays is host time, several µs per Python-to-C++ crossing.
+        return CUDA.linear(x, g.weight, g.bias, g.lora_a, g.lora_b, info, g.offsets)
+    out = F.linear(x, g.weight, g.bias)
+    x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    apply_lora(x2, out.view(-1, out.shape[-1]), g.lora_a, g.lora_b, info, g.offsets, backend=backend)
     return out
 
 
