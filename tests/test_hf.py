@@ -109,9 +109,16 @@ def test_generate_matches_peft_left_padding(arch):
     assert torch.equal(mlm.generate(adapter_names=ROWS, **kw), pm.generate(adapter_names=ROWS, **kw))
 
 
-def test_triton_backend():
-    """The Triton kernels through the integration (the interpreter on a CPU box): sorted segments, odd dims."""
+@pytest.mark.parametrize("fused_mlp", [False, True])
+def test_triton_backend(fused_mlp, monkeypatch):
+    """The Triton kernels through the integration (the interpreter on a CPU box): sorted segments, odd dims;
+    fused_mlp: every MLP call takes the gate_up expand fused into the silu pass (prefill-sized batches do)."""
     pytest.importorskip("triton")
+    if fused_mlp:
+        monkeypatch.setattr(_hf_mlp, "MIN_ELEMS", 0)
+        calls = []
+        real = _hf_mlp.silu_mul_lora_kernel
+        monkeypatch.setattr(_hf_mlp, "silu_mul_lora_kernel", lambda *a: calls.append(1) or real(*a))
     device = "cuda" if HAS_CUDA else "cpu"
     pm = add_adapters(tiny_base("llama", device=device))
     ids, mask = inputs(seq=5, device=device)
@@ -119,6 +126,8 @@ def test_triton_backend():
         ref = pm(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits
     out = enable_multi_lora(pm, backend="triton")(input_ids=ids, attention_mask=mask, adapter_names=ROWS).logits
     assert rel(out, ref) <= 1e-5
+    if fused_mlp:
+        assert len(calls) == 2  # both layers' MLPs
 
 
 def test_peft_folders_and_more_adapters_than_slots(tmp_path):

@@ -5,12 +5,22 @@ computes `act_fn(gate) * up` on two column slices of it. Those are strided views
 take their slow non-vectorized path on them: on the H200 the integration with no adapter row spent ~1.5-2 ms more
 than the base model in such ops at the 1B prefill (bench/RESULTS.md, sixth session). Here one pass reads both
 halves row by row and writes `silu(gate) * up` contiguous: what the model computes (silu rounded to the model's
-dtype, then the product rounded), in fewer bytes than the base model's two ops.
+dtype, then the product rounded), in fewer bytes than the base model's two ops. exp is libdevice's (CUDA's
+accurate expf, as torch's silu uses), not tl.exp's approximate ex2: fp32 results equal torch's bit for bit in
+nearly every element.
 
 Batches of fewer than `MIN_ELEMS` products (decode steps) keep torch's two ops: a Triton launch costs more host
-time than it saves there, and eager decode steps are host-bound. The kernel is opt-in
-(`LORA_KERNELS_HF_MLP_KERNEL=1`, read at each call) until a GPU run of bench/bench_hf.py measures it; without it
-the patched MLP runs torch's two ops on the stacked output's halves, as the model's own forward would.
+time than it saves there, and eager decode steps are host-bound. The kernel is on by default
+(`LORA_KERNELS_HF_MLP_KERNEL=0`, read at each call, turns it off): on an H100, bench/bench_hf.py measured the
+prefill overhead over the base model going from +24.0% to +14.2% at the 1B shapes and from +14.9% to +8.0% at
+the 8B ones with it. Off, the patched MLP runs torch's two ops on the stacked output's halves, as the model's own
+forward would.
+
+`silu_mul_lora` also folds the gate_up group's LoRA expand into that pass: from the base GEMM's output and the
+group's shrink output v it computes silu(gate + Δgate) * (up + Δup), each sum rounded to the dtype as the
+standalone expand rounds it, so the stacked output is read once and never written back. It walks the batch
+info's work list, so it runs only where the list covers every row exactly once; elsewhere it composes
+`sgmv_expand` (in place into gu) and `silu_mul`.
 """
 
 from __future__ import annotations
@@ -20,18 +30,59 @@ import os
 import torch
 import torch.nn.functional as F
 
+from lora_kernels import ops as _ops
+from lora_kernels.batch_info import LoRABatchInfo
+from lora_kernels.batch_record import TILE_M
+from lora_kernels.limits import MAX_RANK
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton ships with CUDA torch; the torch path stays
     triton = None
 
+if triton is not None:
+    try:  # the backend-neutral stub (resolved to CUDA's libdevice at compile time)
+        from triton.language.extra import libdevice
+    except ImportError:  # pragma: no cover - Triton versions without the stub module
+        from triton.language.extra.cuda import libdevice
+
 MIN_ELEMS = 1 << 20  # products per call from which the one-pass kernel runs (CUDA tensors only)
 _BLOCK = 1024
+_ENV = "LORA_KERNELS_HF_MLP_KERNEL"
+# The interpreter implements no libdevice function (Triton 3.8 raises on them); there tl.exp is numpy's exp.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# silu_mul_lora's tiles: TILE_M rows (the work list's) by BLOCK_N columns; each of the two B blocks it loads is at
+# most _LORA_TILE_ELEMS elements (BLOCK_N shrinks as the padded rank grows), as the standalone expand's table has it.
+# On the H100 (bf16, rank 16, 4096 rows of 8 adapters, I = 8192 / 14336) 128 columns and 4 warps measured fastest
+# of 64/4, 128/4, 128/8, 256/4, 256/8: 0.112 / 0.187 ms against 0.194 / 0.337 ms for sgmv_expand then silu_mul
+# (silu_mul alone: 0.077 / 0.127 ms); rank 64 at I = 14336: 0.317 against 0.383 ms.
+_LORA_BLOCK_N, _LORA_TILE_ELEMS, _LORA_WARPS = 128, 8192, 4
+
+
+def enabled() -> bool:
+    """The switch (LORA_KERNELS_HF_MLP_KERNEL, read at each call; on unless it is 0)."""
+    return os.environ.get(_ENV, "1") != "0"
+
+
+def fused_device(x: torch.Tensor) -> bool:
+    """Whether silu_mul_lora's kernel can run for tensors like x (switch on; CUDA, or the CPU interpreter)."""
+    return triton is not None and enabled() and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
+
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _silu_times(g, u, dtype: tl.constexpr, EXACT_EXP: tl.constexpr):
+        """round(round(silu(g)) * u) from fp32 g, u: torch's two ops (silu computed as x / (1 + expf(-x)))."""
+        if EXACT_EXP:
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        s = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)  # act_fn(gate), rounded as torch returns it
+        return (s * u).to(dtype)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, EXACT_EXP: tl.constexpr):
         """out[r, j] = round(round(silu(gate[r, j])) * up[r, j]), gate = gu[r, :inter], up = gu[r, inter:]."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -39,16 +90,72 @@ if triton is not None:
         src = gu_ptr + row * (2 * inter) + cols
         g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
+        h = _silu_times(g, u, out_ptr.dtype.element_ty, EXACT_EXP)
+        tl.store(out_ptr + row * inter + cols, h, mask=mask)
+
+    @triton.jit
+    def _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, SLICE: tl.constexpr, BLOCK_R: tl.constexpr):
+        """B[slot, SLICE*inter + n, j] as [BLOCK_N, BLOCK_R], 0 for j >= rank. Loaded up to R (vectorized: R is a
+        16-divisible argument) and selected to j < rank after: columns beyond the rank never reach a sum, whatever
+        they hold (a select drops NaN, a 0 * NaN in the dot would not)."""
+        j = tl.arange(0, BLOCK_R)
+        b_rows = (slot64 * 2 + SLICE) * inter + n
+        bt = tl.load(b_ptr + b_rows[:, None] * R + j[None, :], mask=n_mask[:, None] & (j < R)[None, :], other=0.0)
+        return tl.where((j < rank)[None, :], bt, 0.0)
+
+    @triton.jit
+    def _lora_delta(v_ptr, bt, rows, row_mask, rank, R, SLICE: tl.constexpr, BLOCK_R: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+        """fp32 sum_{j<rank} v[rows, SLICE*R + j] * bt[:, j] as one [TILE_M, BLOCK_R] x [BLOCK_R, BLOCK_N] dot (v
+        loaded and selected as B is; rounded to B's dtype first, as the standalone expand does)."""
+        j = tl.arange(0, BLOCK_R)
+        vt = tl.load(v_ptr + rows[:, None] * (2 * R) + SLICE * R + j[None, :],
+                     mask=row_mask[:, None] & (j < R)[None, :], other=0.0)
+        vt = tl.where((j < rank)[None, :], vt, 0.0).to(bt.dtype)
+        return tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
+
+    @triton.jit(do_not_specialize=["MT"])
+    def _silu_mul_lora_kernel(gu_ptr, v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr, MT, inter, R,
+                              num_slots, HAS_PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, EXACT_EXP: tl.constexpr):
+        """Program (tile t, column tile c): for the tile's rows and columns n, g = round(gu[row, n] + s * dg),
+        u = round(gu[row, inter + n] + s * du) (dg, du: the tile's slot's gate/up expand; none for slot -1, out of
+        range or rank 0), out[row, n] = _silu_times(g, u). Every row goes through the same tile shapes whatever
+        the batch: its bits depend on its own inputs only. (One tile per program: looping over 2-8 tiles of a
+        slot with B loaded once measured 10-25% slower on the H100, B blocks being L2 hits anyway.)"""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < inter
         dtype = out_ptr.dtype.element_ty
-        s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32)  # act_fn(gate), rounded as torch returns it
-        tl.store(out_ptr + row * inter + cols, (s * u).to(dtype), mask=mask)
+        if t < tl.load(work):
+            slot = tl.load(work + 1 + t)
+            m = tl.load(work + 1 + MT + t) + tl.arange(0, BLOCK_M)
+            row_mask = m < tl.load(work + 1 + 2 * MT + t)
+            if HAS_PERM:
+                m = tl.load(perm_ptr + m, mask=row_mask, other=0)
+            rows = m.to(tl.int64)
+            mask = row_mask[:, None] & n_mask[None, :]
+            src = gu_ptr + rows[:, None] * (2 * inter) + n[None, :]
+            g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
+            live = (slot >= 0) & (slot < num_slots)
+            slot64 = tl.where(live, slot, 0).to(tl.int64)
+            rank = tl.where(live, tl.load(lora_ranks + slot64), 0)
+            if rank > 0:
+                bg = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 0, BLOCK_R)
+                bu = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 1, BLOCK_R)
+                s = tl.load(scalings + slot64)
+                dg = _lora_delta(v_ptr, bg, rows, row_mask, rank, R, 0, BLOCK_R, DOT_PREC)
+                du = _lora_delta(v_ptr, bu, rows, row_mask, rank, R, 1, BLOCK_R, DOT_PREC)
+                g = (g + s * dg).to(dtype).to(tl.float32)  # the expand's rounding of gu + s * acc
+                u = (u + s * du).to(dtype).to(tl.float32)
+            tl.store(out_ptr + rows[:, None] * inter + n[None, :], _silu_times(g, u, dtype, EXACT_EXP), mask=mask)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gu[..., :I]) * gu[..., I:] for gu [..., 2I]: [..., I] (contiguous on the kernel's path)."""
     inter = gu.shape[-1] // 2
-    if triton is None or not gu.is_cuda or not gu.is_contiguous() or gu.numel() // 2 < MIN_ELEMS or \
-            os.environ.get("LORA_KERNELS_HF_MLP_KERNEL", "0") != "1":
+    if triton is None or not gu.is_cuda or not gu.is_contiguous() or gu.numel() // 2 < MIN_ELEMS or not enabled():
         return F.silu(gu[..., :inter]) * gu[..., inter:]
     return silu_mul_kernel(gu)
 
@@ -59,7 +166,74 @@ def silu_mul_kernel(gu: torch.Tensor) -> torch.Tensor:
     rows = gu.numel() // max(2 * inter, 1)
     out = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)
     if rows and inter:
-        _silu_mul_kernel[(rows, triton.cdiv(inter, _BLOCK))](gu, out, inter, BLOCK=_BLOCK)
+        _silu_mul_kernel[(rows, triton.cdiv(inter, _BLOCK))](gu, out, inter, BLOCK=_BLOCK, EXACT_EXP=not _INTERPRET)
+    return out
+
+
+def silu_mul_lora(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+    """silu(gate) * up [..., I] of the gate_up group's output with its LoRA delta added: gate/up = gu's halves plus
+    scaling * v's slice 0/1 expanded by lora_b's rows [0, I) / [I, 2I), each sum rounded to gu's dtype.
+
+    gu: [..., 2I] the base GEMM's output (no LoRA yet), fp16/bf16/fp32; v: [T, 2R] the group's shrink output
+    (`sgmv_shrink(x, lora_a, info, 2)`), fp32 or gu's dtype; lora_b: [num_slots, 2I, R], gu's dtype; T = rows of
+    gu. One fused pass where `fused_applies`; otherwise `sgmv_expand` into gu in place (gu then holds the sums)
+    and `silu_mul`.
+    """
+    if fused_applies(gu, v, lora_b, info):
+        return silu_mul_lora_kernel(gu, v, lora_b, info)
+    inter = gu.shape[-1] // 2
+    gu2d = gu.reshape(-1, gu.shape[-1])
+    if not gu2d.is_contiguous():  # the expand writes a contiguous out; a copy is the fallback's own gu
+        gu2d = gu2d.contiguous()
+    _ops.sgmv_expand(v, lora_b, info, (0, inter, 2 * inter), gu2d)
+    return silu_mul(gu2d).reshape(*gu.shape[:-1], inter)
+
+
+def fused_applies(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo) -> bool:
+    """Whether silu_mul_lora runs its fused kernel: Triton on CUDA (or the interpreter on the CPU), the switch
+    on, no CUDA graph being captured (a replay would reuse the launch for other infos), an info whose work list
+    covers each of gu's rows once (num_tokens == rows; not graph-mode decode with padding segments), and
+    contiguous tensors of matching dtypes, shapes and device."""
+    if not fused_device(gu):
+        return False
+    if gu.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    two_i = gu.shape[-1] if gu.dim() else 0
+    rows = gu.numel() // max(two_i, 1)
+    if info.work is None or info.num_tokens != rows or rows == 0 or two_i == 0 or two_i % 2:
+        return False
+    if info.max_seg_len == 1 and info.num_segments != info.num_tokens:  # padding rows no tile covers
+        return False
+    if gu.dtype not in (torch.float16, torch.bfloat16, torch.float32) or lora_b.dtype != gu.dtype or \
+            v.dtype not in (torch.float32, gu.dtype):
+        return False
+    if lora_b.dim() != 3 or lora_b.shape[0] < 1 or lora_b.shape[1] != two_i or \
+            not 1 <= lora_b.shape[2] <= MAX_RANK or v.shape != (rows, 2 * lora_b.shape[2]):
+        return False
+    if not (gu.is_contiguous() and v.is_contiguous() and lora_b.is_contiguous()):
+        return False
+    meta = (v, lora_b, info.work, info.lora_ranks, info.scalings) + \
+        ((info.permutation,) if info.permutation is not None else ())
+    return all(t.device == gu.device for t in meta)
+
+
+def silu_mul_lora_kernel(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo
+                         ) -> torch.Tensor:
+    """The fused kernel (callers check `fused_applies` first): writes only the rows info's work list covers."""
+    inter = gu.shape[-1] // 2
+    R = lora_b.shape[2]
+    out = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)
+    if info.max_tiles == 0 or inter == 0:
+        return out
+    block_r = max(16, 1 << (R - 1).bit_length())  # the whole rank in one dot
+    block_n = max(16, min(_LORA_BLOCK_N, _LORA_TILE_ELEMS // block_r))
+    perm = info.permutation
+    grid = (info.max_tiles, triton.cdiv(inter, block_n))
+    _silu_mul_lora_kernel[grid](
+        gu, v, lora_b, out, info.work, info.lora_ranks, info.scalings, perm if perm is not None else info.work,
+        info.max_tiles, inter, R, lora_b.shape[0], HAS_PERM=perm is not None, BLOCK_M=TILE_M, BLOCK_N=block_n,
+        BLOCK_R=block_r, DOT_PREC="ieee" if gu.dtype == torch.float32 else "tf32", EXACT_EXP=not _INTERPRET,
+        num_warps=_LORA_WARPS)
     return out
 
 

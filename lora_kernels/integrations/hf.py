@@ -51,7 +51,7 @@ from lora_kernels.batch_info import BatchInfoBuilder
 from lora_kernels.integrations import _hf_mlp
 from lora_kernels.integrations._hf_adapters import (MEMBERS, base_linear, check_peft_config, collect_modules,
                                                     folder_rank, weights_from_modules)
-from lora_kernels.ops import apply_lora
+from lora_kernels.ops import apply_lora, sgmv_shrink
 
 BASE = "__base__"
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -157,9 +157,19 @@ def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(rt: "_Runtime", g: _Group, down, original, x, *args, **kwargs):
     """The patched forward of a gated SiLU MLP (group g: its gate_up): down(silu(gate) * up) from the stacked
-    output in one pass (_hf_mlp.silu_mul), the stacked output not kept."""
+    output in one pass (_hf_mlp.silu_mul, or silu_mul_lora with the LoRA expand in it), the stacked output not
+    kept."""
     if rt.slots is None or args or kwargs:
         return original(x, *args, **kwargs)
+    info = rt.info_for(x)
+    inter = g.offsets[-1] // 2
+    if info is not None and _hf_mlp.fused_device(x) and x.numel() // x.shape[-1] * inter >= _hf_mlp.MIN_ELEMS:
+        # Prefill-sized: the LoRA expand goes into the silu pass (silu_mul_lora), so the stacked output is read
+        # once and never written back (it is the largest output of the layer, twice the MLP's width).
+        gu = F.linear(x, g.weight, g.bias)
+        x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        v = sgmv_shrink(x2, g.lora_a, info, 2, backend=rt.decode_backend if x.shape[1] == 1 else rt.backend)
+        return down(_hf_mlp.silu_mul_lora(gu, v, g.lora_b, info))
     return down(_hf_mlp.silu_mul(_group_compute(rt, g, x)))
 
 
