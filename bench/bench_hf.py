@@ -23,8 +23,9 @@ new token each) on a KV cache of the prompt, cropped back after every step so th
 median of synchronized steps (20; PEFT's mixed batch 3) inside one adapter context, as generate runs them: the
 stricter figure (no generate loop in the denominator) and a steadier one (the generate difference moves by
 milliseconds between runs). Base and the integration's variants are timed in --rounds interleaved rounds (median
-over rounds, with the range); PEFT's, far slower, once. Overheads are against base; speedup is peft_mixed /
-lk_mixed.
+over rounds, with the range; and each round's figure over the same round's base, median and range over rounds);
+PEFT's, far slower, once. Python's cyclic GC is collected before and off during each timed block (as timeit
+does). Overheads are against base; speedup is peft_mixed / lk_mixed.
 A correctness line compares lk_mixed's last-position logits with peft_mixed's (‖diff‖/‖ref‖ <= 1e-2 in bf16).
 Targets (issue 14), at 32 adapters: lk_mixed adds <= 15% to base decode (checked on step_ms and on decode_ms), <=
 10% to base prefill, and is >= 20x faster than peft_mixed.
@@ -36,6 +37,7 @@ Targets (issue 14), at 32 adapters: lk_mixed adds <= 15% to base decode (checked
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 
@@ -103,15 +105,24 @@ def sync(device):
 
 
 def wall_ms(fn, device, reps: int, warmup: int = 1) -> float:
+    """Median synchronized wall time of fn, with Python's cyclic GC collected first and off while timed (as timeit
+    does): an eager step is host-bound, and a collection landing in one variant's steps moves it by milliseconds."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if was_on:
+            gc.enable()
     return statistics.median(times)
 
 
@@ -201,6 +212,10 @@ def run_shape(shape: str, counts: list[int], device: str, quick: bool, rounds: i
         for m in METRICS:
             vals = [r[m] for r in runs]
             row[m], row[m + "_min"], row[m + "_max"] = statistics.median(vals), min(vals), max(vals)
+            # The same round's base beside it: a slow phase of the host lands on both (a diagnostic next to the
+            # ratio of medians, which the targets are checked on).
+            paired = [100 * (r[m] / b[m] - 1) for r, b in zip(runs, per_round[("base", 0)])]
+            row[m + "_paired_%"] = (statistics.median(paired), min(paired), max(paired))
         compared.append(row)
     for row in compared:
         if row["variant"] == "lk_mixed":
@@ -242,6 +257,11 @@ def report(rows: list[dict]) -> None:
         for r in ranged:
             print(f"#   {r['model']:<20} {r['variant']:<11} {r['adapters']:>3}  " + "  ".join(
                 f"{m} {r[m]:.2f} [{r[m + '_min']:.2f}, {r[m + '_max']:.2f}]" for m in METRICS))
+        print("# over base of the same round, median [min, max] over rounds (%)")
+        for r in ranged:
+            if r["variant"] != "base":
+                print(f"#   {r['model']:<20} {r['variant']:<11} {r['adapters']:>3}  " + "  ".join(
+                    "{} {:+.1f} [{:+.1f}, {:+.1f}]".format(m, *r[m + "_paired_%"]) for m in METRICS))
     for r in rows:
         if r["variant"] == "lk_mixed" and r["n"] == 32:
             ok = (max(r["decode_overhead_%"], r["step_overhead_%"]) <= 15, r["prefill_overhead_%"] <= 10,

@@ -36,9 +36,10 @@ bool fused_enabled() {
   return env && std::strcmp(env, "1") == 0;
 }
 
-LaunchCfg make_cfg(int64_t items_upper, int ctas_per_sm) {
+LaunchCfg make_cfg(int64_t items_upper, int ctas_per_sm, bool pdl = true) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return LaunchCfg{at::cuda::getCurrentCUDAStream(), persistent_grid(items_upper, ctas_per_sm, sms), pdl_enabled()};
+  return LaunchCfg{at::cuda::getCurrentCUDAStream(), persistent_grid(items_upper, ctas_per_sm, sms),
+                   pdl && pdl_enabled()};
 }
 
 void check_work(const at::Tensor& ref, const at::Tensor& work, const at::Tensor& lora_ranks,
@@ -159,13 +160,14 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
 
 // The one-launch path where its limits hold and the device runs it (sgmv_plan.h: fused_fits); false otherwise.
 bool try_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& scalings,
-               at::IntArrayRef offs, at::Tensor& out, const WorkArgs& w, const ShrinkArgs& p, const ShrinkPlan& sp) {
+               at::IntArrayRef offs, at::Tensor& out, const WorkArgs& w, const ShrinkArgs& p, const ShrinkPlan& sp,
+               bool pdl) {
   const ExpandPlan ep = plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
                                     static_cast<int>(offs.size()) - 1,
                                     aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()));
   if (!fused_fits(sp, ep, lora_b.size(2), lora_a.size(1))) return false;
   const ExpandArgs e = make_expand_args(w, lora_b, scalings, offs, out, ep, 1);
-  return run_fused(x, lora_a, lora_b, out, p, e, pdl_enabled());
+  return run_fused(x, lora_a, lora_b, out, p, e, pdl && pdl_enabled());
 }
 
 }  // namespace
@@ -217,10 +219,14 @@ void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor
   run_expand(v.data_ptr(), v.scalar_type(), lora_b, out, p, plan, make_cfg(max_tiles * plan.n_tiles, plan.ctas_per_sm));
 }
 
-void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+namespace {
+
+// sgmv_apply; pdl_first: its first kernel may be a programmatic dependent launch (off behind a kernel that never
+// triggers dependents, such as sgmv_linear's cuBLAS GEMM: there PDL overlaps nothing and costs host time).
+void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
                 const at::Tensor& lora_ranks, const at::Tensor& scalings,
                 const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
-                at::Tensor& out) {
+                at::Tensor& out, bool pdl_first) {
   const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
   check_expand_args(lora_b, lora_ranks, scalings, slice_offsets, out);
   check_shrink_args(x, lora_a, lora_ranks, num_slices);
@@ -236,15 +242,15 @@ void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
                                     aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()));
   const WorkArgs w = make_work(work, lora_ranks, permutation, max_tiles, x.size(0));
   const ShrinkArgs p = make_shrink_args(w, x, lora_a, num_slices, sp);
-  if (x.size(0) <= kFusedMaxRows && fused_enabled() && try_fused(x, lora_a, lora_b, scalings, slice_offsets, out, w,
-                                                                 p, sp))
+  if (x.size(0) <= kFusedMaxRows && fused_enabled() &&
+      try_fused(x, lora_a, lora_b, scalings, slice_offsets, out, w, p, sp, pdl_first))
     return;
   // fp32 v, or the shrink's split-K planes, which the expand sums in plane order: the same bits as
   // sgmv_shrink (planes reduced in the same order) followed by sgmv_expand on an fp32 v.
   at::Tensor ws = at::empty({sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
   float* wsp = ws.data_ptr<float>();
   run_shrink(x, lora_a, wsp, at::kFloat, sp.splits > 1 ? wsp : nullptr, p, sp,
-             make_cfg(max_tiles * sp.n_tiles * sp.splits, sp.ctas_per_sm));
+             make_cfg(max_tiles * sp.n_tiles * sp.splits, sp.ctas_per_sm, pdl_first));
   const ExpandPlan ep = expand_plan_for(lora_b, slice_offsets, out, wsp, 4);
   if (ep.n_tiles == 0) return;
   int planes = sp.splits;
@@ -258,6 +264,15 @@ void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   }
   const ExpandArgs e = make_expand_args(w, lora_b, scalings, slice_offsets, out, ep, planes);
   run_expand(wsp, at::kFloat, lora_b, out, e, ep, make_cfg(max_tiles * ep.n_tiles, ep.ctas_per_sm));
+}
+
+}  // namespace
+
+void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+                const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
+                at::Tensor& out) {
+  apply_into(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out, true);
 }
 
 at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -285,8 +300,8 @@ at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   at::Tensor out = at::linear(x, weight, bias);
   if (!out.is_contiguous()) out = out.contiguous();
   at::Tensor out2 = out.view({-1, out.size(-1)});
-  sgmv_apply(x.view({-1, x.size(-1)}), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
-             max_tiles, out2);
+  apply_into(x.view({-1, x.size(-1)}), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
+             max_tiles, out2, false);
   return out;
 }
 
