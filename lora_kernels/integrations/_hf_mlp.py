@@ -54,9 +54,10 @@ _ENV = "LORA_KERNELS_HF_MLP_KERNEL"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # silu_mul_lora's tiles: TILE_M rows (the work list's) by BLOCK_N columns; each of the two B blocks it loads is at
 # most _LORA_TILE_ELEMS elements (BLOCK_N shrinks as the padded rank grows), as the standalone expand's table has it.
-# On the H100 (bf16, rank 16, 4096 rows of 8 adapters, I = 8192 / 14336) 128 columns and 4 warps measured fastest
-# of 64/4, 128/4, 128/8, 256/4, 256/8: 0.112 / 0.187 ms against 0.194 / 0.337 ms for sgmv_expand then silu_mul
-# (silu_mul alone: 0.077 / 0.127 ms); rank 64 at I = 14336: 0.317 against 0.383 ms.
+# An ad hoc timing while it was written (not a bench script; H100, bf16, rank 16, 4096 rows of 8 adapters,
+# I = 8192 / 14336): 128 columns and 4 warps fastest of 64/4, 128/4, 128/8, 256/4, 256/8: 0.112 / 0.187 ms against
+# 0.194 / 0.337 ms for sgmv_expand then silu_mul (silu_mul alone: 0.077 / 0.127 ms); rank 64 at I = 14336: 0.317
+# against 0.383 ms. bench/bench_hf.py measures what it does to the model (bench/RESULTS.md).
 _LORA_BLOCK_N, _LORA_TILE_ELEMS, _LORA_WARPS = 128, 8192, 4
 
 

@@ -137,11 +137,15 @@ def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
+_LOOKUP = object()  # _group_compute's info not given: it looks it up (None means no row has an adapter)
+
+
+def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor, info=_LOOKUP) -> torch.Tensor:
     """[batch, seq, out_total]: the group's base GEMM on x plus every row's LoRA delta (one apply_lora). x goes to
     F.linear as it is and the members get plain slices of the result: in an eager decode step every extra torch
     call (a reshape, a view) is host time, which is what the step costs."""
-    info = rt.info_for(x)
+    if info is _LOOKUP:
+        info = rt.info_for(x)
     if info is None:
         return F.linear(x, g.weight, g.bias)  # the group's one GEMM (stacked weights); contiguous
     backend = rt.decode_backend if x.shape[1] == 1 else rt.backend
@@ -170,7 +174,7 @@ def _mlp_forward(rt: "_Runtime", g: _Group, down, original, x, *args, **kwargs):
         x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
         v = sgmv_shrink(x2, g.lora_a, info, 2, backend=rt.decode_backend if x.shape[1] == 1 else rt.backend)
         return down(_hf_mlp.silu_mul_lora(gu, v, g.lora_b, info))
-    return down(_hf_mlp.silu_mul(_group_compute(rt, g, x)))
+    return down(_hf_mlp.silu_mul(_group_compute(rt, g, x, info)))
 
 
 def _member_forward(rt: "_Runtime", g: _Group, index: int, original, x, *args, **kwargs):
