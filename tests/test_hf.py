@@ -112,10 +112,10 @@ def test_generate_matches_peft_left_padding(arch):
 @pytest.mark.parametrize("fused_mlp", [False, True])
 def test_triton_backend(fused_mlp, monkeypatch):
     """The Triton kernels through the integration (the interpreter on a CPU box): sorted segments, odd dims;
-    fused_mlp: every MLP call takes the gate_up expand fused into the silu pass (prefill-sized batches do)."""
+    fused_mlp: the MLP's prefill path, the gate_up expand fused into the silu pass (CUDA's default for prefill)."""
     pytest.importorskip("triton")
-    if fused_mlp:
-        monkeypatch.setattr(_hf_mlp, "MIN_ELEMS", 0)
+    if fused_mlp:  # the prefill path on the CPU too (under the interpreter there)
+        monkeypatch.setattr(_hf_mlp, "kernels_for", lambda x: True)
         calls = []
         real = _hf_mlp.silu_mul_lora_kernel
         monkeypatch.setattr(_hf_mlp, "silu_mul_lora_kernel", lambda *a: calls.append(1) or real(*a))
@@ -277,10 +277,8 @@ def check_bf16(out, ref16, ref32):
 @pytest.mark.parametrize("mlp_kernel", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gpu_bf16_matches_peft(arch, mlp_kernel, monkeypatch):
-    """mlp_kernel: the one-pass SiLU MLP kernel for every batch (it runs from MIN_ELEMS products otherwise)."""
-    if mlp_kernel:
-        monkeypatch.setattr(_hf_mlp, "MIN_ELEMS", 0)
-        monkeypatch.setenv("LORA_KERNELS_HF_MLP_KERNEL", "1")
+    """mlp_kernel: the MLP's one-pass kernels at prefill (the default; off: torch's two ops after apply_lora)."""
+    monkeypatch.setenv("LORA_KERNELS_HF_MLP_KERNEL", "1" if mlp_kernel else "0")
     pm32, pm16 = bf16_pair(arch)
     ids, mask = inputs(device="cuda", seq=33)
     with torch.no_grad():

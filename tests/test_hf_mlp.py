@@ -42,10 +42,9 @@ def test_kernel_equals_torch_cpu(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kernel_equals_torch_gpu(dtype, monkeypatch):
-    monkeypatch.delenv("LORA_KERNELS_HF_MLP_KERNEL", raising=False)  # on by default
+def test_kernel_equals_torch_gpu(dtype):
     gu = (torch.randn(4, 300, 2 * 5000, device="cuda") * 3).to(dtype)
-    out = _hf_mlp.silu_mul(gu)  # 6M products: the kernel's path
+    out = _hf_mlp.silu_mul_kernel(gu)
     ref = _torch_ref(gu)
     assert out.is_contiguous() and out.shape == ref.shape
     # silu is rounded to the dtype first, as torch's two ops do; exp is libdevice's expf, as torch's
@@ -54,21 +53,27 @@ def test_kernel_equals_torch_gpu(dtype, monkeypatch):
 
 
 def test_kernel_is_on_by_default(monkeypatch):
+    """The switch, and the phase choice's device rule: prefill on CUDA takes the kernels, the CPU never does."""
     monkeypatch.delenv("LORA_KERNELS_HF_MLP_KERNEL", raising=False)
     assert _hf_mlp.enabled()
+    assert not _hf_mlp.kernels_for(torch.zeros(1, 2, 4))  # CPU tensors: torch's ops (the interpreter is for tests)
+    if ON_GPU:
+        assert _hf_mlp.kernels_for(torch.zeros(1, 2, 4, device="cuda"))
     monkeypatch.setenv("LORA_KERNELS_HF_MLP_KERNEL", "0")
     assert not _hf_mlp.enabled()
+    if ON_GPU:
+        assert not _hf_mlp.kernels_for(torch.zeros(1, 2, 4, device="cuda"))
 
 
-def test_small_batches_take_torch_ops(monkeypatch):
-    """Below MIN_ELEMS products (decode steps), on the CPU, or with the kernel off: torch's two ops, bit for bit."""
-    monkeypatch.delenv("LORA_KERNELS_HF_MLP_KERNEL", raising=False)
+def test_silu_mul_is_torchs_two_ops():
+    """silu_mul (decode steps, the switch off) is the model's own two ops, bit for bit; silu_mul_kernel falls back
+    to them on a strided gu."""
     gu = torch.randn(32, 1, 2 * 128)
     assert torch.equal(_hf_mlp.silu_mul(gu), _torch_ref(gu))
+    strided = torch.randn(4, 2 * 128 + 8)[:, : 2 * 128]
+    assert torch.equal(_hf_mlp.silu_mul_kernel(strided), _torch_ref(strided))
     if ON_GPU:
         big = torch.randn(8, 256, 2 * 1024, device="cuda")
-        assert torch.equal(_hf_mlp.silu_mul(big[:1, :4]), _torch_ref(big[:1, :4]))  # 4096 products
-        monkeypatch.setenv("LORA_KERNELS_HF_MLP_KERNEL", "0")
         assert torch.equal(_hf_mlp.silu_mul(big), _torch_ref(big))
 
 

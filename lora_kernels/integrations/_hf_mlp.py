@@ -9,12 +9,13 @@ dtype, then the product rounded), in fewer bytes than the base model's two ops. 
 accurate expf, as torch's silu uses), not tl.exp's approximate ex2: fp32 results equal torch's bit for bit in
 nearly every element.
 
-Batches of fewer than `MIN_ELEMS` products (decode steps) keep torch's two ops: a Triton launch costs more host
-time than it saves there, and eager decode steps are host-bound. The kernel is on by default
-(`LORA_KERNELS_HF_MLP_KERNEL=0`, read at each call, turns it off): on an H100, bench/bench_hf.py measured the
-prefill overhead over the base model going from +24.0% to +14.2% at the 1B shapes and from +14.9% to +8.0% at
-the 8B ones with it. Off, the patched MLP runs torch's two ops on the stacked output's halves, as the model's own
-forward would.
+The integration chooses by phase, never by batch size, so that a row's bits do not depend on its batch: prefill
+calls (more than one position per row) take the one-pass kernels on CUDA; decode steps keep torch's two ops (a
+Triton launch costs more host time than it saves there, and eager decode steps are host-bound). The kernels are
+on by default (`LORA_KERNELS_HF_MLP_KERNEL=0`, read at each call, turns them off): on an H100, bench/bench_hf.py
+measured the prefill overhead over the base model going from +24.0% to +14.2% at the 1B shapes and from +14.9% to
++8.0% at the 8B ones with the one-pass kernel. Off, the patched MLP runs torch's two ops on the stacked output's
+halves, as the model's own forward would.
 
 `silu_mul_lora` also folds the gate_up group's LoRA expand into that pass: from the base GEMM's output and the
 group's shrink output v it computes silu(gate + Δgate) * (up + Δup), each sum rounded to the dtype as the
@@ -47,7 +48,6 @@ if triton is not None:
     except ImportError:  # pragma: no cover - Triton versions without the stub module
         from triton.language.extra.cuda import libdevice
 
-MIN_ELEMS = 1 << 20  # products per call from which the one-pass kernel runs (CUDA tensors only)
 _BLOCK = 1024
 _ENV = "LORA_KERNELS_HF_MLP_KERNEL"
 # The interpreter implements no libdevice function (Triton 3.8 raises on them); there tl.exp is numpy's exp.
@@ -66,9 +66,14 @@ def enabled() -> bool:
     return os.environ.get(_ENV, "1") != "0"
 
 
-def fused_device(x: torch.Tensor) -> bool:
-    """Whether silu_mul_lora's kernel can run for tensors like x (switch on; CUDA, or the CPU interpreter)."""
-    return triton is not None and enabled() and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
+def kernels_for(x: torch.Tensor) -> bool:
+    """Whether a prefill MLP on x takes the one-pass kernels: the switch on, Triton, CUDA tensors."""
+    return triton is not None and enabled() and x.is_cuda
+
+
+def _runs_here(t: torch.Tensor) -> bool:
+    """Whether the kernels can run on t's device: CUDA, or the CPU under TRITON_INTERPRET (the tests)."""
+    return triton is not None and (t.is_cuda or (_INTERPRET and t.device.type == "cpu"))
 
 
 if triton is not None:
@@ -154,15 +159,16 @@ if triton is not None:
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gu[..., :I]) * gu[..., I:] for gu [..., 2I]: [..., I] (contiguous on the kernel's path)."""
+    """silu(gu[..., :I]) * gu[..., I:] for gu [..., 2I]: [..., I], with torch's two ops (the model's own)."""
     inter = gu.shape[-1] // 2
-    if triton is None or not gu.is_cuda or not gu.is_contiguous() or gu.numel() // 2 < MIN_ELEMS or not enabled():
-        return F.silu(gu[..., :inter]) * gu[..., inter:]
-    return silu_mul_kernel(gu)
+    return F.silu(gu[..., :inter]) * gu[..., inter:]
 
 
 def silu_mul_kernel(gu: torch.Tensor) -> torch.Tensor:
-    """The one-pass kernel on a contiguous gu (CUDA, or CPU under TRITON_INTERPRET=1 for the tests)."""
+    """silu_mul in one pass (CUDA, or CPU under TRITON_INTERPRET=1 for the tests); torch's ops where gu is not
+    contiguous or the kernel cannot run."""
+    if not (gu.is_contiguous() and _runs_here(gu)):
+        return silu_mul(gu)
     inter = gu.shape[-1] // 2
     rows = gu.numel() // max(2 * inter, 1)
     out = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)
@@ -187,7 +193,7 @@ def silu_mul_lora(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info:
     if not gu2d.is_contiguous():  # the expand writes a contiguous out; a copy is the fallback's own gu
         gu2d = gu2d.contiguous()
     _ops.sgmv_expand(v, lora_b, info, (0, inter, 2 * inter), gu2d)
-    return silu_mul(gu2d).reshape(*gu.shape[:-1], inter)
+    return silu_mul_kernel(gu2d).reshape(*gu.shape[:-1], inter)
 
 
 def fused_applies(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo) -> bool:
@@ -195,7 +201,7 @@ def fused_applies(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info:
     on, no CUDA graph being captured (a replay would reuse the launch for other infos), an info whose work list
     covers each of gu's rows once (num_tokens == rows; not graph-mode decode with padding segments), and
     contiguous tensors of matching dtypes, shapes and device."""
-    if not fused_device(gu):
+    if not (enabled() and _runs_here(gu)):
         return False
     if gu.is_cuda and torch.cuda.is_current_stream_capturing():
         return False

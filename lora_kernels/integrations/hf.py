@@ -161,18 +161,19 @@ def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor, info=_LOOKUP) -> 
 
 def _mlp_forward(rt: "_Runtime", g: _Group, down, original, x, *args, **kwargs):
     """The patched forward of a gated SiLU MLP (group g: its gate_up): down(silu(gate) * up) from the stacked
-    output in one pass (_hf_mlp.silu_mul, or silu_mul_lora with the LoRA expand in it), the stacked output not
-    kept."""
+    output, not kept: at prefill in one Triton pass (silu_mul_lora, the LoRA expand in it, or silu_mul_kernel when
+    no row has an adapter), in decode steps torch's two ops on the halves (_hf_mlp.silu_mul)."""
     if rt.slots is None or args or kwargs:
         return original(x, *args, **kwargs)
     info = rt.info_for(x)
-    inter = g.offsets[-1] // 2
-    if info is not None and _hf_mlp.fused_device(x) and x.numel() // x.shape[-1] * inter >= _hf_mlp.MIN_ELEMS:
-        # Prefill-sized: the LoRA expand goes into the silu pass (silu_mul_lora), so the stacked output is read
-        # once and never written back (it is the largest output of the layer, twice the MLP's width).
+    if x.shape[1] > 1 and _hf_mlp.kernels_for(x):  # prefill (by phase, not size: a row's bits never follow its batch)
         gu = F.linear(x, g.weight, g.bias)
+        if info is None:
+            return down(_hf_mlp.silu_mul_kernel(gu))
+        # The LoRA expand goes into the silu pass (silu_mul_lora): the stacked output, the layer's largest (twice the
+        # MLP's width), is read once and never written back.
         x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-        v = sgmv_shrink(x2, g.lora_a, info, 2, backend=rt.decode_backend if x.shape[1] == 1 else rt.backend)
+        v = sgmv_shrink(x2, g.lora_a, info, 2, backend=rt.backend)
         return down(_hf_mlp.silu_mul_lora(gu, v, g.lora_b, info))
     return down(_hf_mlp.silu_mul(_group_compute(rt, g, x, info)))
 
