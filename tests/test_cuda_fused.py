@@ -83,3 +83,25 @@ def test_fused_graph_replay_equals_eager(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out, eager), f"{n} requests: replay != eager"
     assert not torch.equal(out, base), "the batch changed nothing: the test cannot fail"
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the one-launch path needs sm_90+")
+@pytest.mark.parametrize("rows", [16, 40, 64])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("shape", ["qkv", "gate_up"])
+def test_linear_takes_it_to_64_rows_with_the_same_bits(shape, rank, rows, monkeypatch):
+    """sgmv_linear (host-bound eager callers) takes the opt-in one-launch path up to kFusedMaxRowsLinear rows, where
+    a cluster runs several tiles' expands: the bits of the two launches still."""
+    case = _poison_stale(_case(shape, rank, rows, torch.bfloat16, 1))
+    i = case.info
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    weight = (torch.randn(case.slice_offsets[-1], case.x.shape[1], device="cuda", generator=g) * 0.02).bfloat16()
+    args = (case.x, weight, None, case.lora_a, case.lora_b, i.work, i.lora_ranks, i.scalings, i.permutation,
+            list(case.slice_offsets), i.max_tiles)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setenv("LORA_KERNELS_CUDA_FUSED", "1" if fused else "0")
+        outs.append(torch.ops.lora_kernels.sgmv_linear(*args))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1]), "the one-launch path changed bits"
+    assert not torch.equal(outs[1], torch.nn.functional.linear(case.x, weight)), "LoRA changed nothing"
