@@ -30,8 +30,8 @@ bool pdl_enabled() {
 
 // The one-launch path of sgmv_apply and sgmv_linear is opt-in, LORA_KERNELS_CUDA_FUSED=1: on the H200 it measured
 // slower than the two launches on the GPU (bench/RESULTS.md, tenth session); whether it saves host time in the eager
-// HF decode step (sgmv_linear, up to kFusedMaxRowsLinear rows) is not yet measured. Read at each call: the GPU tests compare its bits with the two
-// launches' in one process.
+// HF decode step (sgmv_linear, up to kFusedMaxRowsLinear rows) is not yet measured. Read at each call: the GPU
+// tests compare its bits with the two launches' in one process.
 bool fused_enabled() {
   const char* env = std::getenv("LORA_KERNELS_CUDA_FUSED");
   return env && std::strcmp(env, "1") == 0;
