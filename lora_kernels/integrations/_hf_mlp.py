@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from lora_kernels import ops as _ops
 from lora_kernels.batch_info import LoRABatchInfo
 from lora_kernels.batch_record import TILE_M
-from lora_kernels.limits import MAX_RANK
 
 try:
     import triton
@@ -183,45 +182,36 @@ def silu_mul_lora(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info:
 
     gu: [..., 2I] the base GEMM's output (no LoRA yet), fp16/bf16/fp32; v: [T, 2R] the group's shrink output
     (`sgmv_shrink(x, lora_a, info, 2)`), fp32 or gu's dtype; lora_b: [num_slots, 2I, R], gu's dtype; T = rows of
-    gu. One fused pass where `fused_applies`; otherwise `sgmv_expand` into gu in place (gu then holds the sums)
-    and `silu_mul`.
+    gu. Checked as `sgmv_expand` checks them (errors name the argument). One fused pass where `fused_applies`;
+    otherwise `sgmv_expand` into gu in place (gu then holds the sums) and `silu_mul_kernel`.
     """
-    if fused_applies(gu, v, lora_b, info):
-        return silu_mul_lora_kernel(gu, v, lora_b, info)
     inter = gu.shape[-1] // 2
+    offsets = (0, inter, 2 * inter)
     gu2d = gu.reshape(-1, gu.shape[-1])
     if not gu2d.is_contiguous():  # the expand writes a contiguous out; a copy is the fallback's own gu
         gu2d = gu2d.contiguous()
-    _ops.sgmv_expand(v, lora_b, info, (0, inter, 2 * inter), gu2d)
+    _ops._check_expand(v, lora_b, info, offsets, gu2d)
+    if fused_applies(gu, v, lora_b, info):
+        return silu_mul_lora_kernel(gu, v, lora_b, info)
+    _ops.sgmv_expand(v, lora_b, info, offsets, gu2d)
     return silu_mul_kernel(gu2d).reshape(*gu.shape[:-1], inter)
 
 
 def fused_applies(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo) -> bool:
-    """Whether silu_mul_lora runs its fused kernel: Triton on CUDA (or the interpreter on the CPU), the switch
-    on, no CUDA graph being captured (a replay would reuse the launch for other infos), an info whose work list
-    covers each of gu's rows once (num_tokens == rows; not graph-mode decode with padding segments), and
-    contiguous tensors of matching dtypes, shapes and device."""
+    """Whether silu_mul_lora runs its fused kernel on arguments it has checked: Triton on CUDA (or the interpreter
+    on the CPU), the switch on, no CUDA graph being captured (a replay would reuse the launch for other infos), a
+    contiguous gu, a rank of at least 1, and an info whose work list covers each of gu's rows once (num_tokens ==
+    rows; not graph-mode decode with padding segments)."""
     if not (enabled() and _runs_here(gu)):
         return False
     if gu.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    two_i = gu.shape[-1] if gu.dim() else 0
-    rows = gu.numel() // max(two_i, 1)
-    if info.work is None or info.num_tokens != rows or rows == 0 or two_i == 0 or two_i % 2:
+    rows = gu.numel() // max(gu.shape[-1], 1)
+    if info.work is None or info.num_tokens != rows or rows == 0 or lora_b.shape[2] == 0:
         return False
     if info.max_seg_len == 1 and info.num_segments != info.num_tokens:  # padding rows no tile covers
         return False
-    if gu.dtype not in (torch.float16, torch.bfloat16, torch.float32) or lora_b.dtype != gu.dtype or \
-            v.dtype not in (torch.float32, gu.dtype):
-        return False
-    if lora_b.dim() != 3 or lora_b.shape[0] < 1 or lora_b.shape[1] != two_i or \
-            not 1 <= lora_b.shape[2] <= MAX_RANK or v.shape != (rows, 2 * lora_b.shape[2]):
-        return False
-    if not (gu.is_contiguous() and v.is_contiguous() and lora_b.is_contiguous()):
-        return False
-    meta = (v, lora_b, info.work, info.lora_ranks, info.scalings) + \
-        ((info.permutation,) if info.permutation is not None else ())
-    return all(t.device == gu.device for t in meta)
+    return gu.is_contiguous()
 
 
 def silu_mul_lora_kernel(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo

@@ -137,6 +137,11 @@ def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [batch, seq, in] as the ops' contiguous [rows, in] (a view where x is contiguous)."""
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+
+
 _LOOKUP = object()  # _group_compute's info not given: it looks it up (None means no row has an adapter)
 
 
@@ -154,8 +159,7 @@ def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor, info=_LOOKUP) -> 
         # decode step pays is host time, several µs per Python-to-C++ crossing.
         return CUDA.linear(x, g.weight, g.bias, g.lora_a, g.lora_b, info, g.offsets)
     out = F.linear(x, g.weight, g.bias)
-    x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-    apply_lora(x2, out.view(-1, out.shape[-1]), g.lora_a, g.lora_b, info, g.offsets, backend=backend)
+    apply_lora(_rows(x), out.view(-1, out.shape[-1]), g.lora_a, g.lora_b, info, g.offsets, backend=backend)
     return out
 
 
@@ -172,8 +176,7 @@ def _mlp_forward(rt: "_Runtime", g: _Group, down, original, x, *args, **kwargs):
             return down(_hf_mlp.silu_mul_kernel(gu))
         # The LoRA expand goes into the silu pass (silu_mul_lora): the stacked output, the layer's largest (twice the
         # MLP's width), is read once and never written back.
-        x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-        v = sgmv_shrink(x2, g.lora_a, info, 2, backend=rt.backend)
+        v = sgmv_shrink(_rows(x), g.lora_a, info, 2, backend=rt.backend)
         return down(_hf_mlp.silu_mul_lora(gu, v, g.lora_b, info))
     return down(_hf_mlp.silu_mul(_group_compute(rt, g, x, info)))
 
