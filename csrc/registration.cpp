@@ -27,9 +27,12 @@ TORCH_LIBRARY(lora_kernels, m) {
       "Tensor? permutation, int[] slice_offsets, int max_tiles, Tensor(a!) out) -> ()");
   // linear(x, weight, bias) with sgmv_apply added into it: x [..., in_dim] contiguous, returns [..., out_total].
   // One call for a LoRA-targeted Linear, for eager callers whose host time is the cost (decode steps).
+  // one_launch: up to kFusedMaxRowsLinear rows, the LoRA in one cluster launch instead of two (the same bits; fewer
+  // host µs, more GPU µs: for callers whose GPU waits on the host, such as an eager decode step).
   m.def(
       "sgmv_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, Tensor work, "
-      "Tensor lora_ranks, Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_tiles) -> Tensor");
+      "Tensor lora_ranks, Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_tiles, "
+      "bool one_launch=False) -> Tensor");
   // dsts[i].copy_(srcs[i]) for pinned host srcs, all on the current stream, in one call.
   m.def("batched_h2d_copy(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
 }

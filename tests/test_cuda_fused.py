@@ -85,23 +85,42 @@ def test_fused_graph_replay_equals_eager(monkeypatch):
     assert not torch.equal(out, base), "the batch changed nothing: the test cannot fail"
 
 
+def _lora_kernels(fn) -> list[str]:
+    """Names of the extension's kernels that fn launches (torch.profiler), in launch order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "sgmv" in e.name]
+
+
 @pytest.mark.skipif(not ON_SM90, reason="the one-launch path needs sm_90+")
-@pytest.mark.parametrize("rows", [16, 40, 64])
+@pytest.mark.parametrize("rows", [16, 40, 64, 65])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("shape", ["qkv", "gate_up"])
-def test_linear_takes_it_to_64_rows_with_the_same_bits(shape, rank, rows, monkeypatch):
-    """sgmv_linear (host-bound eager callers) takes the opt-in one-launch path up to kFusedMaxRowsLinear rows, where
-    a cluster runs several tiles' expands: the bits of the two launches still."""
+def test_linear_one_launch_has_the_same_bits(shape, rank, rows, monkeypatch):
+    """sgmv_linear with one_launch (the eager HF decode step) runs the LoRA as one cluster launch up to
+    kFusedMaxRowsLinear = 64 rows, where a cluster runs several tiles' expands, and as two beyond: the bits of the
+    two launches either way. LORA_KERNELS_CUDA_FUSED=0 / =1 overrides the argument."""
     case = _poison_stale(_case(shape, rank, rows, torch.bfloat16, 1))
     i = case.info
     g = torch.Generator(device="cuda").manual_seed(rows)
     weight = (torch.randn(case.slice_offsets[-1], case.x.shape[1], device="cuda", generator=g) * 0.02).bfloat16()
     args = (case.x, weight, None, case.lora_a, case.lora_b, i.work, i.lora_ranks, i.scalings, i.permutation,
             list(case.slice_offsets), i.max_tiles)
-    outs = []
-    for fused in (True, False):
-        monkeypatch.setenv("LORA_KERNELS_CUDA_FUSED", "1" if fused else "0")
-        outs.append(torch.ops.lora_kernels.sgmv_linear(*args))
+    op = torch.ops.lora_kernels.sgmv_linear.default
+    monkeypatch.delenv("LORA_KERNELS_CUDA_FUSED", raising=False)
+    two, one = op(*args, False), op(*args, True)
+    monkeypatch.setenv("LORA_KERNELS_CUDA_FUSED", "1")
+    forced_on = op(*args, False)
+    monkeypatch.setenv("LORA_KERNELS_CUDA_FUSED", "0")
+    launched_off = _lora_kernels(lambda: op(*args, True))
+    monkeypatch.delenv("LORA_KERNELS_CUDA_FUSED")
+    launched = _lora_kernels(lambda: op(*args, True))
     torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1]), "the one-launch path changed bits"
-    assert not torch.equal(outs[1], torch.nn.functional.linear(case.x, weight)), "LoRA changed nothing"
+    assert torch.equal(one, two) and torch.equal(forced_on, two), "the one-launch path changed bits"
+    assert not torch.equal(two, torch.nn.functional.linear(case.x, weight)), "LoRA changed nothing"
+    assert all("fused" not in n for n in launched_off) and len(launched_off) >= 2, launched_off
+    if rows <= 64:
+        assert len(launched) == 1 and "fused" in launched[0], launched
+    else:
+        assert launched == launched_off, launched

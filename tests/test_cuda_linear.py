@@ -33,6 +33,7 @@ def _problem(device, dtype=torch.float32, lead=(3,), with_bias=True, seed=0):
 def test_opcheck(device):
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_linear.default, _problem(device)[1])
     torch.library.opcheck(torch.ops.lora_kernels.sgmv_linear.default, _problem(device, with_bias=False, lead=())[1])
+    torch.library.opcheck(torch.ops.lora_kernels.sgmv_linear.default, (*_problem(device)[1], True))  # one_launch
 
 
 def test_cpu_equals_float64():

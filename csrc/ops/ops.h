@@ -21,7 +21,7 @@ at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                        const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
                        const at::Tensor& lora_ranks, const at::Tensor& scalings,
                        const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
-                       int64_t max_tiles);
+                       int64_t max_tiles, bool one_launch);
 
 void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts);
 

@@ -28,13 +28,15 @@ bool pdl_enabled() {
   return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
-// The one-launch path of sgmv_apply and sgmv_linear is opt-in, LORA_KERNELS_CUDA_FUSED=1: on the H200 it measured
-// slower than the two launches on the GPU (bench/RESULTS.md, tenth session); whether it saves host time in the eager
-// HF decode step (sgmv_linear, up to kFusedMaxRowsLinear rows) is not yet measured. Read at each call: the GPU
-// tests compare its bits with the two launches' in one process.
-bool fused_enabled() {
+// The one-launch path: sgmv_apply takes it only with LORA_KERNELS_CUDA_FUSED=1 (on the H200 it measured slower than
+// the two launches on the GPU: bench/RESULTS.md, tenth session); sgmv_linear where its caller asks (one_launch, the
+// eager HF decode step, whose GPU waits on the host). LORA_KERNELS_CUDA_FUSED=0 turns it off for both, =1 on for
+// both (A/B runs). Read at each call: the GPU tests compare its bits with the two launches' in one process.
+bool fused_enabled(bool requested) {
   const char* env = std::getenv("LORA_KERNELS_CUDA_FUSED");
-  return env && std::strcmp(env, "1") == 0;
+  if (env && std::strcmp(env, "1") == 0) return true;
+  if (env && std::strcmp(env, "0") == 0) return false;
+  return requested;
 }
 
 LaunchCfg make_cfg(int64_t items_upper, int ctas_per_sm, bool pdl = true) {
@@ -224,11 +226,12 @@ namespace {
 
 // sgmv_apply; pdl_first: its first kernel may be a programmatic dependent launch (off behind a kernel that never
 // triggers dependents, such as sgmv_linear's cuBLAS GEMM: there PDL overlaps nothing and costs host time);
-// fused_max_rows: the most rows the opt-in one-launch path takes (sgmv_plan.h).
+// one_launch, fused_max_rows: whether the caller asks for the one-launch path (fused_enabled) and the most rows it
+// takes (sgmv_plan.h).
 void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
                 const at::Tensor& lora_ranks, const at::Tensor& scalings,
                 const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
-                at::Tensor& out, bool pdl_first, int64_t fused_max_rows) {
+                at::Tensor& out, bool pdl_first, bool one_launch, int64_t fused_max_rows) {
   const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
   check_expand_args(lora_b, lora_ranks, scalings, slice_offsets, out);
   check_shrink_args(x, lora_a, lora_ranks, num_slices);
@@ -244,7 +247,7 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
                                     aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()));
   const WorkArgs w = make_work(work, lora_ranks, permutation, max_tiles, x.size(0));
   const ShrinkArgs p = make_shrink_args(w, x, lora_a, num_slices, sp);
-  if (x.size(0) <= fused_max_rows && fused_enabled() &&
+  if (x.size(0) <= fused_max_rows && fused_enabled(one_launch) &&
       try_fused(x, lora_a, lora_b, scalings, slice_offsets, out, w, p, sp, pdl_first))
     return;
   // fp32 v, or the shrink's split-K planes, which the expand sums in plane order: the same bits as
@@ -274,7 +277,7 @@ void sgmv_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
                 const at::Tensor& lora_ranks, const at::Tensor& scalings,
                 const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
                 at::Tensor& out) {
-  apply_into(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out, true,
+  apply_into(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out, true, false,
              kFusedMaxRows);
 }
 
@@ -282,7 +285,7 @@ at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                        const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
                        const at::Tensor& lora_ranks, const at::Tensor& scalings,
                        const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets,
-                       int64_t max_tiles) {
+                       int64_t max_tiles, bool one_launch) {
   CHECK_INPUT(x);
   TORCH_CHECK(x.dim() >= 2, "x must be [..., in_dim] with at least 2 dims, got shape ", x.sizes());
   CHECK_DIM(2, weight);  // [out_total, in_dim]
@@ -304,7 +307,7 @@ at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   if (!out.is_contiguous()) out = out.contiguous();
   at::Tensor out2 = out.view({-1, out.size(-1)});
   apply_into(x.view({-1, x.size(-1)}), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
-             max_tiles, out2, false, kFusedMaxRowsLinear);
+             max_tiles, out2, false, one_launch, kFusedMaxRowsLinear);
   return out;
 }
 

@@ -86,8 +86,9 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
 // measured 2-3x slower than the two launches at 16 rows. It computes the two launches' bits, so the choice by rows
 // keeps batch invariance.
 constexpr int64_t kFusedMaxRows = 8;
-// sgmv_linear's bound on the same opt-in path. Its eager callers (the HF decode step) are host-bound: one launch
-// instead of two saves host time there, and the cluster kernel's longer GPU time hides behind the host's.
+// sgmv_linear's bound on the same path, where its caller asks (one_launch). Its eager callers (the HF decode step)
+// are host-bound: one launch instead of two saves host time there, and the cluster kernel's longer GPU time hides
+// behind the host's.
 constexpr int64_t kFusedMaxRowsLinear = 64;
 
 // Whether the one-launch kernel covers these plans: both tensor-core paths, R a multiple of 16 up to

@@ -45,7 +45,7 @@ def register() -> None:
 
     @torch.library.impl("lora_kernels::sgmv_linear", "CPU")
     def _linear_cpu(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
-                    max_tiles):
+                    max_tiles, one_launch=False):  # one_launch changes only the GPU's launch count, never the result
         out = torch.nn.functional.linear(x, weight, bias).contiguous()
         _apply_cpu(x.reshape(-1, x.shape[-1]), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
                    max_tiles, out.view(-1, out.shape[-1]))

@@ -156,8 +156,10 @@ def _group_compute(rt: "_Runtime", g: _Group, x: torch.Tensor, info=_LOOKUP) -> 
     backend = rt.decode_backend if x.shape[1] == 1 else rt.backend
     if backend == "cuda" and x.is_cuda and x.is_contiguous():
         # GEMM and LoRA in one host call (the extension's sgmv_linear checks every argument): what an eager
-        # decode step pays is host time, several µs per Python-to-C++ crossing.
-        return CUDA.linear(x, g.weight, g.bias, g.lora_a, g.lora_b, info, g.offsets)
+        # decode step pays is host time, several µs per Python-to-C++ crossing. In a decode step the LoRA also
+        # takes one launch instead of two (the same bits): its GPU waits on the host (1B, 32 rows, H100: 4.1 ms of
+        # GPU work in a 13 ms step, bench/RESULTS.md).
+        return CUDA.linear(x, g.weight, g.bias, g.lora_a, g.lora_b, info, g.offsets, one_launch=x.shape[1] == 1)
     out = F.linear(x, g.weight, g.bias)
     apply_lora(_rows(x), out.view(-1, out.shape[-1]), g.lora_a, g.lora_b, info, g.offsets, backend=backend)
     return out
