@@ -94,7 +94,7 @@ def _lora_kernels(fn) -> list[str]:
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the one-launch path needs sm_90+")
-@pytest.mark.parametrize("rows", [16, 40, 64, 65])
+@pytest.mark.parametrize("rows", [16, 40, 63, 64])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("shape", ["qkv", "gate_up"])
 def test_linear_one_launch_has_the_same_bits(shape, rank, rows, monkeypatch):
@@ -120,7 +120,7 @@ def test_linear_one_launch_has_the_same_bits(shape, rank, rows, monkeypatch):
     assert torch.equal(one, two) and torch.equal(forced_on, two), "the one-launch path changed bits"
     assert not torch.equal(two, torch.nn.functional.linear(case.x, weight)), "LoRA changed nothing"
     assert all("fused" not in n for n in launched_off) and len(launched_off) >= 2, launched_off
-    if rows <= 64:
+    if case.x.shape[0] <= 64:  # x has the case's extra (padding) rows beyond its segments' `rows`
         assert len(launched) == 1 and "fused" in launched[0], launched
     else:
         assert launched == launched_off, launched

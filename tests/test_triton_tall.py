@@ -79,6 +79,36 @@ def test_tall_equals_split_path_and_reference(monkeypatch, table, dtype, k, grou
     plan.clear_cache()
 
 
+@pytest.mark.parametrize("out_dtype", ["fp32", "input"])
+@pytest.mark.parametrize("k", [0, 2])
+def test_sgmv_shrink_takes_the_tall_shrink_with_the_same_bits(monkeypatch, k, out_dtype):
+    """sgmv_shrink on as many rows as the tall path's: the tall shrink alone (one launch, no partials), the split
+    path's bits into an fp32 v or one of x's dtype (fp16), zeros for slot -1 rows and columns beyond the rank, rows
+    outside the batch untouched."""
+    plan.clear_cache()
+    seg_lens, in_dim, widths, max_rank, permute = CASES[k]
+    dtype = torch.float32 if out_dtype == "fp32" else torch.float16
+    case = make_case(np.random.default_rng([k, 7]), num_slots=5, max_rank=max_rank, slice_widths=widths,
+                     in_dim=in_dim, seg_lens=seg_lens, dtype=dtype, device=DEVICE, permute=permute, extra_rows=3)
+    S, T = len(widths), case.x.shape[0]
+    outs = []
+    for min_rows in (0, 1):
+        tiles = dict(shrink_n=16, shrink_group=1) if DEVICE == "cpu" else {}  # the interpreter: one tile shape
+        monkeypatch.setattr(plan, "TABLE", {**SMALL_TABLE, "tall": {**plan.tall_config(), "min_rows": min_rows,
+                                                                    "min_rank": 0, **tiles}})
+        out = torch.full((T, S * max_rank), float("nan"), dtype=dtype, device=DEVICE)
+        lk.sgmv_shrink(case.x, case.lora_a, case.info, S, out=out, backend="triton")
+        outs.append(out)
+    recipes = [r for key, r in plan._cache.items() if key[0] == "shrink" and key[-1][0] == "tall"]
+    assert len(recipes) == 1 and [s.kernel for s in recipes[0].steps] == [tb._tall_shrink_kernel]
+    v_ref, covered = RowLoop(case, case.info).shrink()
+    covered = covered.to(DEVICE)
+    assert torch.equal(outs[1][covered], outs[0][covered]), "the tall shrink changed bits"
+    assert outs[1][~covered].isnan().all(), "rows outside the batch were written"
+    assert rel_err(outs[1][covered].double().cpu(), v_ref[covered.cpu()].double().cpu()) <= TOL[dtype]
+    plan.clear_cache()
+
+
 def test_recipes_follow_the_tall_entry(monkeypatch):
     """A cached launch recipe is keyed by the path and its table entry: changing a group size between calls (bench
     variants, --tune) takes effect without a cache clear; the path is chosen by rows and the pool's rank."""

@@ -178,7 +178,11 @@ def _mlp_forward(rt: "_Runtime", g: _Group, down, original, x, *args, **kwargs):
             return down(_hf_mlp.silu_mul_kernel(gu))
         # The LoRA expand goes into the silu pass (silu_mul_lora): the stacked output, the layer's largest (twice the
         # MLP's width), is read once and never written back.
-        v = sgmv_shrink(_rows(x), g.lora_a, info, 2, backend=rt.backend)
+        # v in x's dtype, not zeroed: silu_mul_lora casts v to B's dtype before its dot (the same bits from half the
+        # bytes), and reads only rows its work list covers, which the shrink writes.
+        rows = _rows(x)
+        v = torch.empty(rows.shape[0], g.lora_a.shape[1], dtype=x.dtype, device=x.device)
+        sgmv_shrink(rows, g.lora_a, info, 2, out=v, backend=rt.backend)
         return down(_hf_mlp.silu_mul_lora(gu, v, g.lora_b, info))
     return down(_hf_mlp.silu_mul(_group_compute(rt, g, x, info)))
 

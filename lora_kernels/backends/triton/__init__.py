@@ -159,7 +159,7 @@ class TritonBackend:
     def sgmv_shrink(self, x, lora_a, info, num_slices, out):
         work, perm = _work(info)
         key = ("shrink", x.shape, x.dtype, lora_a.shape, num_slices, out.dtype, x.device, info.max_tiles,
-               perm is not work)
+               perm is not work, _plan.apply_path(x.shape[0], lora_a.shape[1] // num_slices))
         r = _plan.cached(key, lambda: _shrink_recipe(x, lora_a, info, num_slices, out.dtype))
         if r.mode == "direct":
             r.steps[0](x, lora_a, out, work, info.lora_ranks, perm)
@@ -218,7 +218,13 @@ class TritonBackend:
 
 def _shrink_recipe(x, lora_a, info, num_slices, out_dtype) -> _Recipe:
     NR, dev, mt = lora_a.shape[1], x.device, info.max_tiles
-    p = _plan.shrink_plan(x.shape[1], num_slices, NR // num_slices, x.dtype, info.permutation is not None, dev)
+    R = NR // num_slices
+    p = _plan.shrink_plan(x.shape[1], num_slices, R, x.dtype, info.permutation is not None, dev)
+    if _plan.apply_path(x.shape[0], R)[0] == "tall":
+        # As apply_lora's tall path (prefill): the K splits summed in registers in split order, the reduce's sums (the
+        # same bits), in one launch with no fp32 partials. Only its shrink is used: the slices' widths do not matter.
+        tall = _tall_steps(p, x.shape, NR, R, tuple(range(num_slices + 1)), x.dtype, out_dtype, mt)
+        return _Recipe("direct", tall[:1], None, None)
     if p.split == 1:
         return _Recipe("direct", (_shrink_step(p, x.shape, NR, NR // num_slices, mt, False, out_dtype, dev),), None,
                        None)
