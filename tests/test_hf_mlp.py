@@ -230,12 +230,19 @@ def test_silu_mul_lora_fallback(why, monkeypatch):
     assert out.shape == ref.shape and torch.isfinite(out).all() and _rel(out, ref) <= LORA_TOL[torch.float32]
 
 
+# silu_mul_lora's tile shapes (GROUP tiles per program, BLOCK_N, warps) that bench/profile/hf_mlp_tiles.py times: each
+# must be right and batch-invariant on the GPU, whichever the table keeps.
+TILES = [(1, 128, 4), (2, 64, 4), (2, 128, 8), (4, 64, 8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("sort", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_silu_mul_lora_gpu(dtype, sort, monkeypatch):
+def test_silu_mul_lora_gpu(dtype, sort, tiles, monkeypatch):
     monkeypatch.delenv("LORA_KERNELS_HF_MLP_KERNEL", raising=False)
+    monkeypatch.setattr(_hf_mlp, "LORA_TILES", tiles)
     counts, slots = [5, 17, 33, 300, 64, 1, 40], [0, -1, 2, 1, 2, 0, 3]
     gen = torch.Generator().manual_seed(11)
     pool = _pool(RANKS, 16, 1000, 256, dtype, "cuda", gen)
@@ -248,7 +255,9 @@ def test_silu_mul_lora_gpu(dtype, sort, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_silu_mul_lora_batch_invariant_gpu(dtype, monkeypatch):
+def test_silu_mul_lora_batch_invariant_gpu(dtype, tiles, monkeypatch):
     monkeypatch.delenv("LORA_KERNELS_HF_MLP_KERNEL", raising=False)
+    monkeypatch.setattr(_hf_mlp, "LORA_TILES", tiles)
     _check_invariance(ALIGNED + SHIFTED, dtype, "cuda")

@@ -46,6 +46,8 @@ if triton is not None:
         from triton.language.extra import libdevice
     except ImportError:  # pragma: no cover - Triton versions without the stub module
         from triton.language.extra.cuda import libdevice
+    from lora_kernels.backends.triton.kernels import _rows
+    from lora_kernels.backends.triton.tall import _group, _next_run
 
 _BLOCK = 1024
 _ENV = "LORA_KERNELS_HF_MLP_KERNEL"
@@ -57,7 +59,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # I = 8192 / 14336): 128 columns and 4 warps fastest of 64/4, 128/4, 128/8, 256/4, 256/8: 0.112 / 0.187 ms against
 # 0.194 / 0.337 ms for sgmv_expand then silu_mul (silu_mul alone: 0.077 / 0.127 ms); rank 64 at I = 14336: 0.317
 # against 0.383 ms. bench/bench_hf.py measures what it does to the model (bench/RESULTS.md).
-_LORA_BLOCK_N, _LORA_TILE_ELEMS, _LORA_WARPS = 128, 8192, 4
+_LORA_TILE_ELEMS = 8192
+# (GROUP work-list tiles per program, BLOCK_N, warps): bench/profile/hf_mlp_tiles.py times the candidates.
+LORA_TILES = (1, 128, 4)
 
 
 def enabled() -> bool:
@@ -119,42 +123,54 @@ if triton is not None:
         vt = tl.where((j < rank)[None, :], vt, 0.0).to(bt.dtype)
         return tl.dot(vt, tl.trans(bt), input_precision=DOT_PREC)
 
+    @triton.jit
+    def _silu_mul_lora_run(gu_ptr, v_ptr, b_ptr, out_ptr, lora_ranks, scalings, perm_ptr, slot, lo, hi, n, n_mask,
+                           inter, R, num_slots, HAS_PERM: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                           DOT_PREC: tl.constexpr, EXACT_EXP: tl.constexpr):
+        """One run (rows [lo, hi) of one slot, at most ROWS) by the program's columns n: g = round(gu[row, n] + s *
+        dg), u = round(gu[row, inter + n] + s * du) (dg, du: the slot's gate/up expand; none for slot -1, out of
+        range or rank 0), out[row, n] = _silu_times(g, u)."""
+        rows, row_mask = _rows(perm_ptr, lo, hi, ROWS, HAS_PERM)
+        mask = row_mask[:, None] & n_mask[None, :]
+        src = gu_ptr + rows[:, None] * (2 * inter) + n[None, :]
+        g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        live = (slot >= 0) & (slot < num_slots)
+        slot64 = tl.where(live, slot, 0).to(tl.int64)
+        rank = tl.where(live, tl.load(lora_ranks + slot64), 0)
+        if rank > 0:
+            bg = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 0, BLOCK_R)
+            bu = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 1, BLOCK_R)
+            s = tl.load(scalings + slot64)
+            dg = _lora_delta(v_ptr, bg, rows, row_mask, rank, R, 0, BLOCK_R, DOT_PREC)
+            du = _lora_delta(v_ptr, bu, rows, row_mask, rank, R, 1, BLOCK_R, DOT_PREC)
+            g = (g + s * dg).to(dtype).to(tl.float32)  # the expand's rounding of gu + s * acc
+            u = (u + s * du).to(dtype).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * inter + n[None, :], _silu_times(g, u, dtype, EXACT_EXP), mask=mask)
+
     @triton.jit(do_not_specialize=["MT"])
     def _silu_mul_lora_kernel(gu_ptr, v_ptr, b_ptr, out_ptr, work, lora_ranks, scalings, perm_ptr, MT, inter, R,
-                              num_slots, HAS_PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, EXACT_EXP: tl.constexpr):
-        """Program (tile t, column tile c): for the tile's rows and columns n, g = round(gu[row, n] + s * dg),
-        u = round(gu[row, inter + n] + s * du) (dg, du: the tile's slot's gate/up expand; none for slot -1, out of
-        range or rank 0), out[row, n] = _silu_times(g, u). Every row goes through the same tile shapes whatever
-        the batch: its bits depend on its own inputs only. (One tile per program: looping over 2-8 tiles of a
-        slot with B loaded once measured 10-25% slower on the H100, B blocks being L2 hits anyway.)"""
-        t = tl.program_id(0)
+                              num_slots, HAS_PERM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
+                              EXACT_EXP: tl.constexpr):
+        """Program (group of GROUP work-list tiles, column tile): every run of the group's tiles (consecutive tiles
+        of one slot whose rows follow on, as the tall expand's) as one _silu_mul_lora_run, whose dots are GROUP *
+        BLOCK_M rows tall. A row's result does not depend on the dot's height on sm90 (scripts/triton_dot_bits.py)
+        nor on the column tile: its bits depend on its own inputs only, whatever the batch."""
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < inter
-        dtype = out_ptr.dtype.element_ty
-        if t < tl.load(work):
-            slot = tl.load(work + 1 + t)
-            m = tl.load(work + 1 + MT + t) + tl.arange(0, BLOCK_M)
-            row_mask = m < tl.load(work + 1 + 2 * MT + t)
-            if HAS_PERM:
-                m = tl.load(perm_ptr + m, mask=row_mask, other=0)
-            rows = m.to(tl.int64)
-            mask = row_mask[:, None] & n_mask[None, :]
-            src = gu_ptr + rows[:, None] * (2 * inter) + n[None, :]
-            g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
-            live = (slot >= 0) & (slot < num_slots)
-            slot64 = tl.where(live, slot, 0).to(tl.int64)
-            rank = tl.where(live, tl.load(lora_ranks + slot64), 0)
-            if rank > 0:
-                bg = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 0, BLOCK_R)
-                bu = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 1, BLOCK_R)
-                s = tl.load(scalings + slot64)
-                dg = _lora_delta(v_ptr, bg, rows, row_mask, rank, R, 0, BLOCK_R, DOT_PREC)
-                du = _lora_delta(v_ptr, bu, rows, row_mask, rank, R, 1, BLOCK_R, DOT_PREC)
-                g = (g + s * dg).to(dtype).to(tl.float32)  # the expand's rounding of gu + s * acc
-                u = (u + s * du).to(dtype).to(tl.float32)
-            tl.store(out_ptr + rows[:, None] * inter + n[None, :], _silu_times(g, u, dtype, EXACT_EXP), mask=mask)
+        n_tiles = tl.load(work)
+        g0 = tl.program_id(0) * GROUP
+        if g0 < n_tiles:
+            slot_v, lo_v, hi_v, link_v, count = _group(work, g0, n_tiles, MT, GROUP, BLOCK_M)
+            r = 0
+            for q in tl.static_range(GROUP):  # unrolled, as the tall expand's runs
+                if r < count:
+                    slot, lo, hi, r = _next_run(r, slot_v, lo_v, hi_v, link_v, GROUP)
+                    _silu_mul_lora_run(gu_ptr, v_ptr, b_ptr, out_ptr, lora_ranks, scalings, perm_ptr, slot, lo, hi,
+                                       n, n_mask, inter, R, num_slots, HAS_PERM, GROUP * BLOCK_M, BLOCK_R,
+                                       DOT_PREC, EXACT_EXP)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -222,15 +238,16 @@ def silu_mul_lora_kernel(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor
     out = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)
     if info.max_tiles == 0 or inter == 0:
         return out
+    group, block_n_max, warps = LORA_TILES
     block_r = max(16, 1 << (R - 1).bit_length())  # the whole rank in one dot
-    block_n = max(16, min(_LORA_BLOCK_N, _LORA_TILE_ELEMS // block_r))
+    block_n = max(16, min(block_n_max, _LORA_TILE_ELEMS // block_r))
     perm = info.permutation
-    grid = (info.max_tiles, triton.cdiv(inter, block_n))
+    grid = (triton.cdiv(info.max_tiles, group), triton.cdiv(inter, block_n))
     _silu_mul_lora_kernel[grid](
         gu, v, lora_b, out, info.work, info.lora_ranks, info.scalings, perm if perm is not None else info.work,
-        info.max_tiles, inter, R, lora_b.shape[0], HAS_PERM=perm is not None, BLOCK_M=TILE_M, BLOCK_N=block_n,
-        BLOCK_R=block_r, DOT_PREC="ieee" if gu.dtype == torch.float32 else "tf32", EXACT_EXP=not _INTERPRET,
-        num_warps=_LORA_WARPS)
+        info.max_tiles, inter, R, lora_b.shape[0], HAS_PERM=perm is not None, GROUP=group, BLOCK_M=TILE_M,
+        BLOCK_N=block_n, BLOCK_R=block_r, DOT_PREC="ieee" if gu.dtype == torch.float32 else "tf32",
+        EXACT_EXP=not _INTERPRET, num_warps=warps)
     return out
 
 
