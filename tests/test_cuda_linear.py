@@ -52,11 +52,14 @@ def test_cpu_equals_float64():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gpu_equals_the_composition(dtype, with_bias):
-    """torch.equal with F.linear then sgmv_apply on the same inputs; and within tolerance of float64."""
-    case, args = _problem("cuda", dtype, lead=(3,), with_bias=with_bias, seed=1)
+@pytest.mark.parametrize("lead", [(), (3,), (3, 1)])
+def test_gpu_equals_the_composition(dtype, with_bias, lead):
+    """torch.equal with F.linear then sgmv_apply on the same inputs, x of 2, 3 (the op's own GEMM call) and 4 dims
+    (at::linear's); and within tolerance of float64."""
+    case, args = _problem("cuda", dtype, lead=lead, with_bias=with_bias, seed=1)
     x, weight, bias = args[:3]
     y = torch.ops.lora_kernels.sgmv_linear(*args)
+    assert y.shape == (*x.shape[:-1], 24)
     comp = F.linear(x, weight, bias).contiguous()
     torch.ops.lora_kernels.sgmv_apply(x.view(-1, 32), *args[3:], comp.view(-1, 24))
     assert torch.equal(y, comp)

@@ -303,11 +303,23 @@ at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   // One host call for the base GEMM and the LoRA launches: an eager decode step is host-bound, and each
   // Python-to-C++ crossing it saves is several µs per module.
-  at::Tensor out = at::linear(x, weight, bias);
-  if (!out.is_contiguous()) out = out.contiguous();
-  at::Tensor out2 = out.view({-1, out.size(-1)});
-  apply_into(x.view({-1, x.size(-1)}), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
-             max_tiles, out2, false, one_launch, kFusedMaxRowsLinear);
+  const at::Tensor x2 = x.view({-1, x.size(-1)});
+  at::Tensor out, out2;
+  if (x.dim() <= 3) {
+    // What at::linear runs for a contiguous x of 2 or 3 dims (folded to [rows, in_dim]: addmm with a bias, mm
+    // without; the same cuBLAS call, the same bits), called directly: linear's and matmul's dispatch layers
+    // cost µs of host time per module.
+    out2 = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0);
+    out = out2.view(shape);
+  } else {  // more dims: linear adds a bias after the matmul, another rounding; its own path keeps its bits
+    out = at::linear(x, weight, bias);
+    if (!out.is_contiguous()) out = out.contiguous();
+    out2 = out.view({-1, out.size(-1)});
+  }
+  apply_into(x2, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out2, false,
+             one_launch, kFusedMaxRowsLinear);
   return out;
 }
 
