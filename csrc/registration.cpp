@@ -33,6 +33,9 @@ TORCH_LIBRARY(lora_kernels, m) {
       "sgmv_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, Tensor work, "
       "Tensor lora_ranks, Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_tiles, "
       "bool one_launch=False) -> Tensor");
+  // silu(gu[..., :I]) * gu[..., I:] for gu [..., 2I] contiguous, rounded as torch's silu then mul: a gated MLP's
+  // activation in one launch and one host call (eager decode steps).
+  m.def("silu_mul(Tensor gu) -> Tensor");
   // dsts[i].copy_(srcs[i]) for pinned host srcs, all on the current stream, in one call.
   m.def("batched_h2d_copy(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
 }
@@ -42,6 +45,7 @@ TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
   m.impl("sgmv_expand", &lora_kernels::sgmv_expand);
   m.impl("sgmv_apply", &lora_kernels::sgmv_apply);
   m.impl("sgmv_linear", &lora_kernels::sgmv_linear);
+  m.impl("silu_mul", &lora_kernels::silu_mul);
   m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
 }
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lora_kernels as lk
 from lora_kernels import BatchInfoBuilder, sgmv_shrink
 from lora_kernels.integrations import _hf_mlp
 
@@ -72,9 +73,30 @@ def test_silu_mul_is_torchs_two_ops():
     assert torch.equal(_hf_mlp.silu_mul(gu), _torch_ref(gu))
     strided = torch.randn(4, 2 * 128 + 8)[:, : 2 * 128]
     assert torch.equal(_hf_mlp.silu_mul_kernel(strided), _torch_ref(strided))
+
+
+@pytest.mark.skipif(not lk.HAS_CUDA_EXT, reason="CUDA extension not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_extension_silu_mul_is_torchs_two_ops(dtype):
+    """The extension's silu_mul (decode steps on CUDA): torch's two ops bit for bit, on values from -120 to 120 (exp
+    overflows) and rows of odd width; shape, dtype and bad input named. CPU: its reference kernel."""
+    dev = "cuda" if ON_GPU else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    gu = (torch.randn(8, 3, 2 * 1001, generator=gen) * 6).to(dtype).to(dev)
+    gu.view(-1)[:240] = torch.linspace(-120, 120, 240).to(dtype)
+    out = torch.ops.lora_kernels.silu_mul(gu)
+    assert out.shape == (8, 3, 1001) and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, _torch_ref(gu))
     if ON_GPU:
-        big = torch.randn(8, 256, 2 * 1024, device="cuda")
-        assert torch.equal(_hf_mlp.silu_mul(big), _torch_ref(big))
+        assert torch.equal(_hf_mlp.silu_mul(gu), out)  # the HF decode path takes it
+        with pytest.raises(RuntimeError, match=r"gu must be \[..., 2 \* inter\]"):
+            torch.ops.lora_kernels.silu_mul(gu[..., :-1].contiguous())
+        with pytest.raises(RuntimeError, match="gu must have dtype"):
+            torch.ops.lora_kernels.silu_mul(gu.double())
+        with pytest.raises(RuntimeError, match="gu must be contiguous"):
+            torch.ops.lora_kernels.silu_mul(gu[..., :1000])
+        assert torch.ops.lora_kernels.silu_mul(gu[:0]).shape == (0, 3, 1001)
+    torch.library.opcheck(torch.ops.lora_kernels.silu_mul.default, (gu,))
 
 
 def test_silu_gated_detects_the_activation():

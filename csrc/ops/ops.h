@@ -25,4 +25,7 @@ at::Tensor sgmv_linear(const at::Tensor& x, const at::Tensor& weight, const std:
 
 void batched_h2d_copy(at::TensorList srcs, at::TensorList dsts);
 
+// silu(gu[..., :I]) * gu[..., I:] with torch's roundings (ops/silu_mul.cu).
+at::Tensor silu_mul(const at::Tensor& gu);
+
 }  // namespace lora_kernels

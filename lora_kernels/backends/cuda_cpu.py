@@ -50,3 +50,10 @@ def register() -> None:
         _apply_cpu(x.reshape(-1, x.shape[-1]), lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
                    max_tiles, out.view(-1, out.shape[-1]))
         return out
+
+    @torch.library.impl("lora_kernels::silu_mul", "CPU")
+    def _silu_mul_cpu(gu):
+        if gu.shape[-1] % 2:
+            raise ValueError(f"gu must be [..., 2 * inter] (gate | up), got shape {tuple(gu.shape)}")
+        inter = gu.shape[-1] // 2
+        return torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]

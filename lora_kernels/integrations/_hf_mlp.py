@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_kernels import ops as _ops
+from lora_kernels.backends.cuda import HAS_CUDA_EXT
 from lora_kernels.batch_info import LoRABatchInfo
 from lora_kernels.batch_record import TILE_M
 
@@ -174,7 +175,11 @@ if triton is not None:
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gu[..., :I]) * gu[..., I:] for gu [..., 2I]: [..., I], with torch's two ops (the model's own)."""
+    """silu(gu[..., :I]) * gu[..., I:] for gu [..., 2I]: [..., I], as torch's two ops (the model's own) compute it.
+    A contiguous CUDA gu takes the extension's silu_mul (their roundings, one launch): in an eager decode step each
+    torch call is host time, and the two ops on the halves are four (two slices, silu, mul)."""
+    if HAS_CUDA_EXT and gu.is_cuda and gu.is_contiguous():
+        return torch.ops.lora_kernels.silu_mul.default(gu)
     inter = gu.shape[-1] // 2
     return F.silu(gu[..., :inter]) * gu[..., inter:]
 

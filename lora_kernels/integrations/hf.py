@@ -85,10 +85,11 @@ class _Group:
     (the Linears' weights are views of its rows), the pool's weights, and the stacked output computed for the
     last input x (handed out slice by slice, then dropped)."""
 
-    __slots__ = ("linears", "weight", "bias", "lora_a", "lora_b", "offsets", "x", "out", "unserved")
+    __slots__ = ("linears", "weight", "bias", "lora_a", "lora_b", "offsets", "widths", "x", "out", "unserved")
 
     def __init__(self, linears, lora_a, lora_b, offsets):
         self.linears, self.lora_a, self.lora_b, self.offsets = linears, lora_a, lora_b, offsets
+        self.widths = [b - a for a, b in zip(offsets, offsets[1:])]
         self.weight, self.bias = _stack_weights(linears)
         self.x = self.out = None
         self.unserved = 0
@@ -127,12 +128,14 @@ def _stack_weights(linears) -> tuple:
     return weight, bias
 
 
-def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor) -> torch.Tensor:
-    """[batch, seq, out_total] of group g on x (_group_compute), kept until every member has taken its slice."""
+def _group_output(rt: "_Runtime", g: _Group, x: torch.Tensor):
+    """Group g on x (_group_compute): [batch, seq, out_total] for one member; for several, its slices (views, made
+    in one torch call: each call is host time in a decode step), kept until every member has taken its own."""
     if g.x is x:
         return g.out
     out = _group_compute(rt, g, x)
     if len(g.linears) > 1:
+        out = out.split(g.widths, -1)
         g.x, g.out, g.unserved = x, out, (1 << len(g.linears)) - 1
     return out
 
@@ -200,7 +203,7 @@ def _member_forward(rt: "_Runtime", g: _Group, index: int, original, x, *args, *
     g.unserved &= ~(1 << index)
     if not g.unserved:  # every slice handed out: free the stacked output
         g.x = g.out = None
-    return out[..., g.offsets[index]:g.offsets[index + 1]]
+    return out[index]
 
 
 class _Runtime:
