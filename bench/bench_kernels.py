@@ -1,5 +1,5 @@
-"""SGMV kernels on Llama-3-8B LoRA shapes, in CUDA-graph replay, against the bytes floor, the streaming
-reference (a memcpy of the same bytes) and two baselines.
+"""SGMV kernels on Llama-3-8B LoRA shapes (Llama-3.2-1B ones with --shapes 1b), in CUDA-graph replay, against the
+bytes floor, the streaming reference (a memcpy of the same bytes) and two baselines.
 
 Modules (bf16): qkv 4096 -> 4096/1024/1024, o 4096 -> 4096, gate_up 4096 -> 2x14336, down 14336 -> 4096.
 Cases: ranks 16 and 64; decode batches 1/16/64/256 with adapters distinct / uniform over 32 slots /
@@ -34,8 +34,13 @@ import common  # noqa: E402
 
 import lora_kernels as lk  # noqa: E402
 
-MODULES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
-           "down": (14336, (4096,))}
+# (in_dim, slice widths) per module group, by model shape; --shapes picks one (8b: the issues' tables, and the
+# only shapes --write-tables accepts, the tables being global; 1b: the 2048-wide modules bench_hf's 1B runs).
+SHAPES = {"8b": {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+                 "down": (14336, (4096,))},
+          "1b": {"qkv": (2048, (2048, 512, 512)), "o": (2048, (2048,)), "gate_up": (2048, (8192, 8192)),
+                 "down": (8192, (2048,))}}
+MODULES = dict(SHAPES["8b"])  # the run's shapes (main sets them from --shapes)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 ROTATE_BYTES = 256 << 20  # data touched per rotation: several times the 50 MB L2
@@ -256,7 +261,7 @@ def run_bench(args):
         print("\n# batch invariance: the same rows, sorted against unsorted batch (bit-equal?)")
         common.print_table(inv_rows, ["case", "backend", "module", "bit_equal"])
         jrows += [{"bench": "sgmv_invariance", **r} for r in inv_rows]
-    common.write_jsonl(args.json, jrows)
+    common.write_jsonl(args.json, [{**r, "shapes": args.shapes} for r in jrows])
 
 
 def check_variants(mod: Module, names) -> None:
@@ -463,7 +468,7 @@ def run_tune(args):
     common.print_table(rows, ["score", *[c.name for c in TUNE_CASES], "table"])
     best = min(zip(rows, results), key=lambda r: r[0]["score"])[1][0]
     print(f"# best: {json.dumps(best)}")
-    common.write_jsonl(args.json, [{"bench": "sgmv_tune", **r} for r in rows])
+    common.write_jsonl(args.json, [{"bench": "sgmv_tune", "shapes": args.shapes, **r} for r in rows])
     plan.TABLE = best
     plan.clear_cache()
     auto = tune_auto(args)
@@ -506,7 +511,7 @@ def tune_auto(args) -> dict:
         scored = {b: sum(v) / len(v) for b, v in per.items() if v}
         table[reg] = min(scored, key=scored.get) if scored else "triton"
     print(f"# auto: {json.dumps(table)}")
-    common.write_jsonl(args.json, [{"bench": "sgmv_auto", **r} for r in rows])
+    common.write_jsonl(args.json, [{"bench": "sgmv_auto", "shapes": args.shapes, **r} for r in rows])
     return table
 
 
@@ -520,7 +525,13 @@ def main():
     p.add_argument("--write-tables", action="store_true", help="with --tune: write lora_kernels/backends/tables.py")
     p.add_argument("--tune-keys", default="", help="with --tune: comma list of table entries to vary (default: all "
                    "of fused, tall, shrink, reduce, expand)")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="8b", help="the modules' model shape (default 8b)")
     args = p.parse_args()
+    if args.write_tables and args.shapes != "8b":
+        p.error("--write-tables takes --shapes 8b only: the tables are global, measured on the 8B modules")
+    MODULES.clear()
+    MODULES.update(SHAPES[args.shapes])
+    print(f"# shapes: {args.shapes} {MODULES}")
     torch.backends.cuda.matmul.allow_tf32 = False
     (run_tune if args.tune else run_bench)(args)
 
