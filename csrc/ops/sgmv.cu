@@ -165,9 +165,7 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
 bool try_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& scalings,
                at::IntArrayRef offs, at::Tensor& out, const WorkArgs& w, const ShrinkArgs& p, const ShrinkPlan& sp,
                bool pdl) {
-  const ExpandPlan ep = plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
-                                    static_cast<int>(offs.size()) - 1,
-                                    aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()));
+  const ExpandPlan ep = expand_plan_for(lora_b, offs, out, nullptr, 4);  // v lives in shared memory: no v pointer
   if (!fused_fits(sp, ep, lora_b.size(2), lora_a.size(1))) return false;
   const ExpandArgs e = make_expand_args(w, lora_b, scalings, offs, out, ep, 1);
   return run_fused(x, lora_a, lora_b, out, p, e, pdl && pdl_enabled());

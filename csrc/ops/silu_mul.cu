@@ -19,7 +19,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   const int64_t inter = gu.size(-1) / 2;
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
   shape.back() = inter;
-  TORCH_CHECK(gu.scalar_type() == at::kFloat || gu.scalar_type() == at::kHalf || gu.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(dispatch_dtype(gu.scalar_type(), [](auto) {}),  // the one dtype list (ops/dtypes.h)
               "gu must have dtype float32, float16 or bfloat16, got ", gu.scalar_type());
   at::Tensor out = at::empty(shape, gu.options());
   const int64_t rows = inter ? out.numel() / inter : 0;

@@ -48,7 +48,7 @@ if triton is not None:
         from triton.language.extra import libdevice
     except ImportError:  # pragma: no cover - Triton versions without the stub module
         from triton.language.extra.cuda import libdevice
-    from lora_kernels.backends.triton.kernels import _rows
+    from lora_kernels.backends.triton.kernels import _load_b, _rows
     from lora_kernels.backends.triton.tall import _group, _next_run
 
 _BLOCK = 1024
@@ -107,16 +107,6 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, h, mask=mask)
 
     @triton.jit
-    def _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, SLICE: tl.constexpr, BLOCK_R: tl.constexpr):
-        """B[slot, SLICE*inter + n, j] as [BLOCK_N, BLOCK_R], 0 for j >= rank. Loaded up to R (vectorized: R is a
-        16-divisible argument) and selected to j < rank after: columns beyond the rank never reach a sum, whatever
-        they hold (a select drops NaN, a 0 * NaN in the dot would not)."""
-        j = tl.arange(0, BLOCK_R)
-        b_rows = (slot64 * 2 + SLICE) * inter + n
-        bt = tl.load(b_ptr + b_rows[:, None] * R + j[None, :], mask=n_mask[:, None] & (j < R)[None, :], other=0.0)
-        return tl.where((j < rank)[None, :], bt, 0.0)
-
-    @triton.jit
     def _lora_delta(v_ptr, bt, rows, row_mask, rank, R, SLICE: tl.constexpr, BLOCK_R: tl.constexpr,
                     DOT_PREC: tl.constexpr):
         """fp32 sum_{j<rank} v[rows, SLICE*R + j] * bt[:, j] as one [TILE_M, BLOCK_R] x [BLOCK_R, BLOCK_N] dot (v
@@ -144,8 +134,12 @@ if triton is not None:
         slot64 = tl.where(live, slot, 0).to(tl.int64)
         rank = tl.where(live, tl.load(lora_ranks + slot64), 0)
         if rank > 0:
-            bg = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 0, BLOCK_R)
-            bu = _load_b(b_ptr, slot64, rank, n, n_mask, R, inter, 1, BLOCK_R)
+            # B's gate / up rows of the slot, columns j < rank (loaded up to R, then selected: whatever the columns
+            # beyond the rank hold never reaches a sum, where a 0 * NaN in the dot would).
+            j = tl.arange(0, BLOCK_R)
+            b_gate = b_ptr + slot64 * 2 * inter * R
+            bg = _load_b(b_gate, n, n_mask, j, j < rank, R)
+            bu = _load_b(b_gate + inter * R, n, n_mask, j, j < rank, R)
             s = tl.load(scalings + slot64)
             dg = _lora_delta(v_ptr, bg, rows, row_mask, rank, R, 0, BLOCK_R, DOT_PREC)
             du = _lora_delta(v_ptr, bu, rows, row_mask, rank, R, 1, BLOCK_R, DOT_PREC)

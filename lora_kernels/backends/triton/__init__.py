@@ -226,10 +226,9 @@ def _shrink_recipe(x, lora_a, info, num_slices, out_dtype) -> _Recipe:
         tall = _tall_steps(p, x.shape, NR, R, tuple(range(num_slices + 1)), x.dtype, out_dtype, mt)
         return _Recipe("direct", tall[:1], None, None)
     if p.split == 1:
-        return _Recipe("direct", (_shrink_step(p, x.shape, NR, NR // num_slices, mt, False, out_dtype, dev),), None,
-                       None)
-    return _Recipe("reduce", (_shrink_step(p, x.shape, NR, NR // num_slices, mt, True, torch.float32, dev),
-                              _reduce_step(p, x.shape[0], NR // num_slices, NR, mt, out_dtype, dev)),
+        return _Recipe("direct", (_shrink_step(p, x.shape, NR, R, mt, False, out_dtype, dev),), None, None)
+    return _Recipe("reduce", (_shrink_step(p, x.shape, NR, R, mt, True, torch.float32, dev),
+                              _reduce_step(p, x.shape[0], R, NR, mt, out_dtype, dev)),
                    (p.split, x.shape[0], NR), None)
 
 
