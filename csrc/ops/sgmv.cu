@@ -161,6 +161,16 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
                      static_cast<int>(offs.size()) - 1, aligned);
 }
 
+// run_expand with the kernel and grid for out's rows: the 64-row kernel from kTallExpandRows rows on (tensor-core
+// plans only; the same bits as the 16-row kernel), one CTA per item; else the 16-row kernel's persistent grid.
+void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
+                   const ExpandArgs& p, const ExpandPlan& plan, int64_t max_tiles) {
+  const bool tall = plan.mma && out.size(0) >= kTallExpandRows;
+  const LaunchCfg cfg = tall ? make_cfg(cdiv(max_tiles, kTallTiles) * plan.n_tiles, kTallCtasPerSm)
+                             : make_cfg(max_tiles * plan.n_tiles, plan.ctas_per_sm);
+  run_expand(v, v_dtype, lora_b, out, p, plan, cfg, tall);
+}
+
 // The one-launch path where its limits hold and the device runs it (sgmv_plan.h: fused_fits); false otherwise.
 bool try_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& scalings,
                at::IntArrayRef offs, at::Tensor& out, const WorkArgs& w, const ShrinkArgs& p, const ShrinkPlan& sp,
@@ -217,7 +227,7 @@ void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor
   if (plan.n_tiles == 0) return;
   const ExpandArgs p = make_expand_args(make_work(work, lora_ranks, permutation, max_tiles, out.size(0)), lora_b,
                                         scalings, slice_offsets, out, plan, 1);
-  run_expand(v.data_ptr(), v.scalar_type(), lora_b, out, p, plan, make_cfg(max_tiles * plan.n_tiles, plan.ctas_per_sm));
+  expand_launch(v.data_ptr(), v.scalar_type(), lora_b, out, p, plan, max_tiles);
 }
 
 namespace {
@@ -266,7 +276,7 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
     planes = 1;
   }
   const ExpandArgs e = make_expand_args(w, lora_b, scalings, slice_offsets, out, ep, planes);
-  run_expand(wsp, at::kFloat, lora_b, out, e, ep, make_cfg(max_tiles * ep.n_tiles, ep.ctas_per_sm));
+  expand_launch(wsp, at::kFloat, lora_b, out, e, ep, max_tiles);
 }
 
 }  // namespace

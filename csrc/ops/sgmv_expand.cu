@@ -7,7 +7,7 @@
 namespace lora_kernels {
 
 void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
-                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg) {
+                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg, bool tall) {
   const bool ok = dispatch_dtype_v(out.scalar_type(), v_dtype, [&](auto t, auto vt) {
     using T = decltype(t);
     using V = decltype(vt);
@@ -15,6 +15,10 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
     const auto* bp = static_cast<const T*>(lora_b.data_ptr());
     auto* op = static_cast<T*>(out.data_ptr());
     if constexpr (sizeof(T) == 2) {
+      if (plan.mma && tall) {
+        C10_CUDA_CHECK((launch_expand_tall<T, V>(vp, bp, op, p, cfg)));
+        return;
+      }
       if (plan.mma) {
         C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg)));
         return;

@@ -1,0 +1,106 @@
+"""The cuda backend's 64-row expand (csrc/kernels/sgmv_expand_tall.cuh), which runs from 1024 rows of out on: the same
+bits as the 16-row kernel for every row (batch invariance across the switch), right against float64, rows without
+LoRA untouched. Groups of four work-list tiles that mix slots, slot -1, short tiles, ranks below the pool rank and
+several rank slabs all occur here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import lora_kernels as lk
+from cases import TOL, make_info, rel_err
+
+HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the CUDA extension and a GPU")]
+
+TALL_ROWS = 1024  # kTallExpandRows (csrc/ops/sgmv_plan.h)
+SEGMENTS = ([5, 17, 33, 1, 0, 100, 64, 3, 16, 48], [0, 1, 2, -1, 3, 1, 1, 4, 0, 2])  # 287 rows: tiles of mixed slots
+SHAPES = {  # R, slice widths, pool ranks (some below R, several 64-wide rank slabs where R > 64)
+    "qkv_r16": (16, (4096, 1024, 1024), [16, 8, 16, 3, 16, 12]),
+    "narrow_r136": (136, (24, 200, 128), [136, 70, 1, 136, 64, 100]),
+    "gate_up_r64": (64, (512, 136), [64, 32, 64, 5, 64, 64]),
+}
+
+
+def _weights(g, dtype, in_dim, R, widths, ranks):
+    offs = tuple(int(v) for v in np.concatenate([[0], np.cumsum(widths)]))
+    n = len(ranks)
+    a = (torch.randn(n, len(widths) * R, in_dim, generator=g) * in_dim ** -0.5).to(dtype).cuda()
+    b = (torch.randn(n, offs[-1], R, generator=g) * R ** -0.5).to(dtype).cuda()
+    for s, r in enumerate(ranks):  # NaN past each slot's rank: it must never reach an output
+        b[s, :, r:] = float("nan")
+        for i in range(len(widths)):
+            a[s, i * R + r:(i + 1) * R] = float("nan")
+    return a, b, offs
+
+
+def _info(seg_lens, slots, ranks, scal):
+    return make_info(seg_lens, slots, None, torch.tensor(ranks, dtype=torch.int32, device="cuda"), scal, "cuda")
+
+
+def _kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "sgmv" in e.name]
+
+
+@pytest.mark.parametrize("filler_first", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
+    """The rows of SEGMENTS alone (287 rows: the 16-row kernel) and inside a batch with a 1100-row segment (the
+    64-row kernel, the rows' tiles grouped differently by where the filler sits): torch.equal, for apply_lora and
+    for sgmv_expand on a given v; the big batch is right against float64 and leaves rows of slot -1 untouched."""
+    R, widths, ranks = SHAPES[shape]
+    g = torch.Generator().manual_seed(2 * list(SHAPES).index(shape) + filler_first)
+    in_dim = 256
+    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
+    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    seg_lens, slots = SEGMENTS
+    n = sum(seg_lens)
+    x = torch.randn(n, in_dim, generator=g).to(dtype).cuda()
+    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
+    v = torch.randn(n, len(widths) * R, generator=g).cuda()
+    fill = 1100
+    xf = torch.randn(fill, in_dim, generator=g).to(dtype).cuda()
+    bf = torch.randn(fill, offs[-1], generator=g).to(dtype).cuda()
+    vf = torch.randn(fill, len(widths) * R, generator=g).cuda()
+    if filler_first:
+        big = ([fill] + seg_lens, [5] + slots, torch.cat([xf, x]), torch.cat([bf, base]), torch.cat([vf, v]))
+        mine = slice(fill, fill + n)
+    else:
+        big = (seg_lens + [fill], slots + [5], torch.cat([x, xf]), torch.cat([base, bf]), torch.cat([v, vf]))
+        mine = slice(0, n)
+    info_s, info_b = _info(seg_lens, slots, ranks, scal), _info(big[0], big[1], ranks, scal)
+    assert n < TALL_ROWS <= big[2].shape[0]
+
+    out_s, out_b = base.clone(), big[3].clone()
+    lk.apply_lora(x, out_s, a, b, info_s, offs, backend="cuda")
+    names = _kernels(lambda: lk.apply_lora(big[2], out_b, a, b, info_b, offs, backend="cuda"))
+    assert any("expand_tall" in k for k in names), names
+    assert torch.equal(out_b[mine], out_s)
+    e_s, e_b = base.clone(), big[3].clone()
+    lk.sgmv_expand(v, b, info_s, offs, e_s, backend="cuda")
+    lk.sgmv_expand(big[4], b, info_b, offs, e_b, backend="cuda")
+    assert torch.equal(e_b[mine], e_s)
+
+    no_lora = torch.zeros(n, dtype=torch.bool, device="cuda")
+    no_lora[sum(seg_lens[:3]):sum(seg_lens[:4])] = True  # the slot -1 segment
+    assert torch.equal(out_s[no_lora], base[no_lora]) and not torch.equal(out_s[~no_lora], base[~no_lora])
+    ref = _reference_apply(big[2], big[3], a, b, info_b, offs)
+    assert rel_err(out_b, ref) <= TOL[dtype]
+
+
+def _reference_apply(x, base, a, b, info, offs):
+    """float64 reference.py: shrink then expand, stale weights zeroed."""
+    from lora_kernels import reference
+
+    args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
+    v = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64, device="cuda")
+    reference.sgmv_shrink(x.double(), a.double().nan_to_num(0), *args, info.permutation, len(offs) - 1, v)
+    out = base.double().clone()
+    reference.sgmv_expand(v, b.double().nan_to_num(0), *args, info.scalings, info.permutation, offs, out)
+    return out
