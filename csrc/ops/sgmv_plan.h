@@ -27,10 +27,9 @@ inline int64_t max_splits(int64_t N) { return N <= 16 ? 32 : (N <= 32 ? 16 : 8);
 constexpr int64_t kReduceFirstRows = 1024;
 // The tensor-core expand runs 64-row items (kernels/sgmv_expand_tall.cuh) from this many rows of out on: the 16-row
 // kernel is issue-bound there. Both compute a row's bits alike, so the choice by rows keeps batch invariance. Its
-// grid is one CTA per item, up to kTallCtasPerSm per SM (no persistent loop of items: CTAs that come and go overlap
-// one item's stores with the next one's loads).
+// persistent grid is the kTallCtasPerSm CTAs an SM holds (128 registers a thread, 8 warps, 58 KB of shared memory).
 constexpr int64_t kTallExpandRows = 1024;
-constexpr int kTallCtasPerSm = 64;
+constexpr int kTallCtasPerSm = 2;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
