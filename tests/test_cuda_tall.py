@@ -1,7 +1,7 @@
-"""The cuda backend's 64-row expand (csrc/kernels/sgmv_expand_tall.cuh), which runs from 1024 rows of out on: the same
-bits as the 16-row kernel for every row (batch invariance across the switch), right against float64, rows without
-LoRA untouched. Groups of four work-list tiles that mix slots, slot -1, short tiles, ranks below the pool rank and
-several rank slabs all occur here."""
+"""The cuda backend's tall expand (csrc/kernels/sgmv_expand_tall.cuh: items of two work-list tiles), which runs from
+1024 rows of out on: the same bits as the 16-row kernel for every row (batch invariance across the switch), right
+against float64, rows without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool
+rank and several rank slabs all occur here."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def _kernels(fn):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
-    """The rows of SEGMENTS alone (287 rows: the 16-row kernel) and inside a batch with a 1100-row segment (the
-    64-row kernel, the rows' tiles grouped differently by where the filler sits): torch.equal, for apply_lora and
+    """The rows of SEGMENTS alone (287 rows: the 16-row kernel) and inside a batch with a 1100-row segment (the tall
+    kernel, the rows' tiles grouped differently by where the filler sits): torch.equal, for apply_lora and
     for sgmv_expand on a given v; the big batch is right against float64 and leaves rows of slot -1 untouched."""
     R, widths, ranks = SHAPES[shape]
     g = torch.Generator().manual_seed(2 * list(SHAPES).index(shape) + filler_first)
