@@ -1,12 +1,13 @@
 // The tensor-core expand for many rows (prefill): the same sums as sgmv_expand_mma.cuh, over taller items.
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
-// Item (group of kTallTiles consecutive work-list tiles, column tile of kExpandBN columns), one CTA each. ncu found
-// the 16-row kernel issue-bound at prefill (SM 64%, DRAM 28-35%, `not_selected` the top stall): a 256-thread CTA
-// spends its fixed work (its tile, a 64-wide B slab, four barriers) on 4 KB of out. Here 4 warps take 32 rows: warp
-// w owns tile w / 2 of the group, 64 columns (w % 2) of the item; one B slab serves a run of tiles of one slot, and
-// only the k16 steps under the rank are loaded. Small CTAs with at most 85 registers a thread let an SM hold six
-// items, whose loads overlap (64-row items of 8 warps, two per SM, measured 647 µs at gate_up prefill r16; two of
-// them per SM with a double-buffered out tile, 752 µs).
+// Item (group of kTallTiles consecutive work-list tiles, column tile of kExpandBN columns), one CTA each. At 16 rows
+// an item's fixed work (its tile, a 64-wide B slab, four barriers) outweighs its 4 KB of out, and ncu found the
+// 16-row kernel issue-bound at prefill (SM 64%, DRAM 28-35%, `not_selected` the top stall). Here one B slab serves
+// a run of tiles of the same slot (a prefill segment is 64 tiles), only the k16 steps under the rank are loaded,
+// and the out tile is 64 rows. 8 warps: warp w owns tile w / 2 of the group, 64 columns (w % 2) of the item.
+// Measured forms that were slower at gate_up prefill r16 (H100, µs): this one 647 (grid capped at 64 CTAs per SM);
+// a persistent grid of two CTAs per SM with a double-buffered out tile 752; items of two tiles in 4-warp CTAs held to
+// 80 registers (six per SM; the cap put 144-176 bytes of stack frame in use) 823; the 16-row kernel 797.
 //
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps of the same operands (v rounded to
 // T, zero past the rank) and the same fma epilogue as the 16-row kernel's; the M tiling does not enter a row's
@@ -20,12 +21,9 @@
 
 namespace lora_kernels {
 
-constexpr int kTallTiles = 2, kTallM = kTallTiles * kTileM, kTallThreads = 128;
+constexpr int kTallTiles = 4, kTallM = kTallTiles * kTileM;
 constexpr int kTallSmemBytes = (kTallM * kExpandOutLd + (kTallM + kExpandBN) * kMmaBK) * 2;
-static_assert(kTallThreads / 32 == 2 * kTallTiles && kExpandBN == 2 * 64, "warp w: tile w / 2, 64 columns");
-static_assert((kTallM * kExpandBN / 8) % kTallThreads == 0 && (kTallM * kMmaBK / 4) % kTallThreads == 0 &&
-                  (kExpandBN * kMmaBK / 8) % kTallThreads == 0,
-              "copy layouts cover the tiles exactly");
+static_assert(kExpandThreads / 32 == 2 * kTallTiles && kExpandBN == 2 * 64, "warp w: tile w / 2, 64 columns");
 
 struct TallGroup {
   int slot[kTallTiles];  // -1: no LoRA rows (no tile, slot -1, rank 0)
@@ -60,8 +58,8 @@ template <typename T>
 __device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs& p, int slot, int rank, int n0,
                                             int n_end, int kt, int ksteps) {
 #pragma unroll
-  for (int i = 0; i < (kExpandBN * kMmaBK / 8) / kTallThreads; ++i) {
-    const int idx = threadIdx.x + i * kTallThreads, r = idx >> 3, c = idx & 7;
+  for (int i = 0; i < (kExpandBN * kMmaBK / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 3, c = idx & 7;
     if (c >= 2 * ksteps) continue;
     const int n = n0 + r, j = kt * kMmaBK + c * 8;
     const int bytes = n < n_end ? max(0, min(16, (rank - j) * 2)) : 0;
@@ -73,8 +71,8 @@ template <typename T>
 __device__ __forceinline__ void tall_load_out(T* out_sm, const T* out, const ExpandArgs& p, const int* rows, int n0,
                                               int n_end) {
 #pragma unroll
-  for (int i = 0; i < (kTallM * kExpandBN / 8) / kTallThreads; ++i) {
-    const int idx = threadIdx.x + i * kTallThreads, r = idx >> 4, c = idx & 15;
+  for (int i = 0; i < (kTallM * kExpandBN / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
     if (rows[r] >= 0 && n0 + c * 8 < n_end)
       cp_async16(out_sm + r * kExpandOutLd + c * 8, out + static_cast<int64_t>(rows[r]) * p.out_total + n0 + c * 8,
                  16);
@@ -87,8 +85,8 @@ template <typename T, typename V>
 __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs& p, const int* rows, int vcol0,
                                             int rank, int t_lo, int t_hi, int kt, int ksteps) {
 #pragma unroll
-  for (int i = 0; i < (kTallM * kMmaBK / 4) / kTallThreads; ++i) {
-    const int idx = threadIdx.x + i * kTallThreads, r = idx >> 4, q = idx & 15;
+  for (int i = 0; i < (kTallM * kMmaBK / 4) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, q = idx & 15;
     if (r / kTileM < t_lo || r / kTileM >= t_hi || q >= 4 * ksteps) continue;
     const int j0 = kt * kMmaBK + q * 4;
     float f[4] = {0.f, 0.f, 0.f, 0.f};
@@ -120,8 +118,8 @@ __device__ __forceinline__ void tall_epilogue(const WarpAcc<1, 8>& acc, T* out_s
   }
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < (kTallM * kExpandBN / 8) / kTallThreads; ++i) {
-    const int idx = threadIdx.x + i * kTallThreads, r = idx >> 4, c = idx & 15;
+  for (int i = 0; i < (kTallM * kExpandBN / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
     if (g.rows[r] >= 0 && n0 + c * 8 < n_end)
       *reinterpret_cast<uint4*>(out + static_cast<int64_t>(g.rows[r]) * p.out_total + n0 + c * 8) =
           *reinterpret_cast<const uint4*>(out_sm + r * kExpandOutLd + c * 8);
@@ -167,7 +165,7 @@ __device__ __forceinline__ void tall_item(const V* v, const T* b, T* out, const 
 }
 
 template <typename T, typename V>
-__global__ void __launch_bounds__(kTallThreads, 6)
+__global__ void __launch_bounds__(kExpandThreads, 2)
     sgmv_expand_tall_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* out_sm = reinterpret_cast<T*>(smem_raw);  // [kTallM][kExpandOutLd], then vs and bs
@@ -189,7 +187,7 @@ __global__ void __launch_bounds__(kTallThreads, 6)
 
 template <typename T, typename V>
 cudaError_t launch_expand_tall(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<sgmv_expand_tall_kernel<T, V>>(cfg, kTallThreads, kTallSmemBytes, v, b, out, p);
+  return launch_kernel<sgmv_expand_tall_kernel<T, V>>(cfg, kExpandThreads, kTallSmemBytes, v, b, out, p);
 }
 
 }  // namespace lora_kernels
