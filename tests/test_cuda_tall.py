@@ -1,4 +1,4 @@
-"""The cuda backend's tall expand (csrc/kernels/sgmv_expand_tall.cuh: items of two work-list tiles), which runs from
+"""The cuda backend's tall expand (csrc/kernels/sgmv_expand_tall.cuh: items of four work-list tiles), which runs from
 1024 rows of out on: the same bits as the 16-row kernel for every row (batch invariance across the switch), right
 against float64, rows without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool
 rank and several rank slabs all occur here."""

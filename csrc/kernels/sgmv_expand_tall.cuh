@@ -1,19 +1,20 @@
-// The tensor-core expand for many rows (prefill): the same sums as sgmv_expand_mma.cuh, with no shared memory.
+// The tensor-core expand for many rows (prefill): the same sums as sgmv_expand_mma.cuh, over taller items.
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
-// Item (group of kTallTiles consecutive work-list tiles, column tile of kExpandBN columns), one CTA of 4 warps each;
-// warp w owns tile w / 2 of the group and 64 columns (w % 2) of the item: 16 rows x 64 columns, its own work. Each
-// lane loads its out pairs, v and B fragments straight into registers in the mma.sync layout (out first, so that
-// its DRAM reads fly while v and B come from L2), runs the k16 steps, and stores its pairs: no barrier, no staging.
-// ncu found the 16-row kernel issue-bound at prefill (SM 64%, DRAM 28-35%, `not_selected` the top stall): a
-// 256-thread CTA spent its fixed work (its tile, a 64-wide B slab, four barriers) on 4 KB of out.
-// Forms measured slower at gate_up prefill r16 (H100, µs; the 16-row kernel 797): 64-row items in 8-warp CTAs
-// staging out, v and B in shared memory 647; the same as a persistent grid with a double-buffered out tile 752;
-// 32-row items of that form held to 80 registers (144-176 bytes of stack frame) 823.
+// Item (group of kTallTiles consecutive work-list tiles, column tile of kExpandBN columns), one CTA each. At 16 rows
+// an item's fixed work (its tile, a 64-wide B slab, four barriers) outweighs its 4 KB of out, and ncu found the
+// 16-row kernel issue-bound at prefill (SM 64%, DRAM 28-35%, `not_selected` the top stall). Here one B slab serves
+// a run of tiles of the same slot (a prefill segment is 64 tiles), only the k16 steps under the rank are loaded,
+// and the out tile is 64 rows. 8 warps: warp w owns tile w / 2 of the group, 64 columns (w % 2) of the item.
+// Measured forms that were slower at gate_up prefill r16 (H100, µs): this one 647 (grid capped at 64 CTAs per SM);
+// a persistent grid of two CTAs per SM with a double-buffered out tile 752; items of two tiles in 4-warp CTAs held to
+// 80 registers (six per SM; the cap put 144-176 bytes of stack frame in use) 823; 32-row items whose warps keep out,
+// v and B fragments in registers with no shared memory or barrier (each k16 step waits on its own v and B loads;
+// 128 registers) 864, and 2233 at r64; the 16-row kernel 797.
 //
-// Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps of the same operands (v summed over
-// its planes in order, rounded to T, zero past the rank; B zero past the rank) and the same fma epilogue as the
-// 16-row kernel's; the M tiling does not enter a row's result. So the choice between the two kernels (by rows,
-// ops/sgmv_plan.h) keeps batch invariance. Raw pointers only; no torch headers.
+// Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps of the same operands (v rounded to
+// T, zero past the rank) and the same fma epilogue as the 16-row kernel's; the M tiling does not enter a row's
+// result. So the choice between the two kernels (by rows, ops/sgmv_plan.h) keeps batch invariance.
+// Raw pointers only; no torch headers.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -22,103 +23,173 @@
 
 namespace lora_kernels {
 
-constexpr int kTallTiles = 2, kTallThreads = 128;
-static_assert(kTallThreads / 32 == 2 * kTallTiles && kExpandBN == 2 * 64, "warp w: tile w / 2, 64 columns");
+constexpr int kTallTiles = 4, kTallM = kTallTiles * kTileM;
+constexpr int kTallSmemBytes = (kTallM * kExpandOutLd + (kTallM + kExpandBN) * kMmaBK) * 2;
+static_assert(kExpandThreads / 32 == 2 * kTallTiles && kExpandBN == 2 * 64, "warp w: tile w / 2, 64 columns");
 
-// Two consecutive 16-bit elements as one 32-bit register (the low half is the first: the mma.sync operand order).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  Pack<T, 2> pk;
-  pk.v[0] = from_float<T>(lo);
-  pk.v[1] = from_float<T>(hi);
-  return *reinterpret_cast<const uint32_t*>(&pk);
-}
+struct TallGroup {
+  int slot[kTallTiles];  // -1: no LoRA rows (no tile, slot -1, rank 0)
+  int rank[kTallTiles];
+  int rows[kTallM];  // physical row of each group row, -1 where none (or its tile has no LoRA)
+};
 
-// The A fragment half of one row: v[row, col .. col + 1] summed over the planes, 0 at k >= rank or without a row.
-template <typename T, typename V>
-__device__ __forceinline__ uint32_t tall_v_pair(const V* v, const ExpandArgs& p, int row, int col, int k, int rank) {
-  if (row < 0 || k >= rank) return 0u;
-  const V* src = v + static_cast<int64_t>(row) * p.N + col;
-  const float lo = sum_planes(src, p.split_stride, p.splits);
-  const float hi = k + 1 < rank ? sum_planes(src + 1, p.split_stride, p.splits) : 0.f;
-  return pack2<T>(lo, hi);
-}
-
-// The B fragment half lora_b[slot, n, k .. k + 1], 0 past the rank or the slice (R and k even: 4-byte aligned).
-template <typename T>
-__device__ __forceinline__ uint32_t tall_b_pair(const T* b, const ExpandArgs& p, int slot, int n, int n_end, int k,
-                                                int rank) {
-  if (n >= n_end || k >= rank) return 0u;
-  uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(b + (static_cast<int64_t>(slot) * p.out_total + n) * p.R + k));
-  return k + 1 < rank ? u : (u & 0xffffu);
-}
-
-// One warp's 16 rows x 64 columns of an item: out += scale * v Bᵀ over the tile's rank, pairs in registers.
-template <typename T, typename V>
-__device__ __forceinline__ void tall_warp(const V* v, const T* b, T* out, const ExpandArgs& p, const TileInfo& ti,
-                                          int c0, int n_end, int vcol0, bool& waited) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t2 = (lane & 3) * 2;
-  const int row[2] = {tile_row(p.w, ti, g), tile_row(p.w, ti, g + 8)};
-  wait_once(waited);  // v and out are written by earlier kernels
-  uint32_t old[8][2];
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int col = c0 + nt * 8 + t2;
-      old[nt][h] = row[h] >= 0 && col < n_end
-                       ? *reinterpret_cast<const uint32_t*>(out + static_cast<int64_t>(row[h]) * p.out_total + col)
-                       : 0u;
+// The group's tiles and rows into shared memory (the caller syncs after).
+__device__ __forceinline__ void tall_fill_group(TallGroup& g, const WorkArgs& w, int t0, int n, int R) {
+  const int i = threadIdx.x;
+  if (i < kTallM) {
+    const int t = t0 + i / kTileM;
+    int row = -1;
+    if (t < n) {
+      const TileInfo ti = load_tile(w, t, R);
+      if (ti.slot >= 0) row = tile_row(w, ti, i % kTileM);
+      if (i % kTileM == 0) {
+        g.slot[i / kTileM] = ti.slot;
+        g.rank[i / kTileM] = ti.rank;
+      }
+    } else if (i % kTileM == 0) {
+      g.slot[i / kTileM] = -1;
+      g.rank[i / kTileM] = 0;
     }
+    g.rows[i] = row;
+  }
+}
+
+// B slab kt of `slot` for the item's columns: only the chunks of the first `ksteps` k16 steps (what the MMAs read),
+// zero-filled past the rank and past the slice.
+template <typename T>
+__device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs& p, int slot, int rank, int n0,
+                                            int n_end, int kt, int ksteps) {
+#pragma unroll
+  for (int i = 0; i < (kExpandBN * kMmaBK / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 3, c = idx & 7;
+    if (c >= 2 * ksteps) continue;
+    const int n = n0 + r, j = kt * kMmaBK + c * 8;
+    const int bytes = n < n_end ? max(0, min(16, (rank - j) * 2)) : 0;
+    cp_async16(bs + swz(r, c), bytes ? b + (static_cast<int64_t>(slot) * p.out_total + n) * p.R + j : b, bytes);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void tall_load_out(T* out_sm, const T* out, const ExpandArgs& p, const int* rows, int n0,
+                                              int n_end) {
+#pragma unroll
+  for (int i = 0; i < (kTallM * kExpandBN / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
+    if (rows[r] >= 0 && n0 + c * 8 < n_end)
+      cp_async16(out_sm + r * kExpandOutLd + c * 8, out + static_cast<int64_t>(rows[r]) * p.out_total + n0 + c * 8,
+                 16);
+  }
+}
+
+// vs rows of tiles [t_lo, t_hi) = v (planes summed in order) for the slab's first `ksteps` k16 steps, as T, 0 past
+// the rank and for rows outside x.
+template <typename T, typename V>
+__device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs& p, const int* rows, int vcol0,
+                                            int rank, int t_lo, int t_hi, int kt, int ksteps) {
+#pragma unroll
+  for (int i = 0; i < (kTallM * kMmaBK / 4) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, q = idx & 15;
+    if (r / kTileM < t_lo || r / kTileM >= t_hi || q >= 4 * ksteps) continue;
+    const int j0 = kt * kMmaBK + q * 4;
+    float f[4] = {0.f, 0.f, 0.f, 0.f};
+    if (rows[r] >= 0 && j0 < rank) {
+      sum_planes4(f, v + static_cast<int64_t>(rows[r]) * p.N + vcol0 + j0, p.split_stride, p.splits);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[e] = j0 + e < rank ? f[e] : 0.f;
+    }
+    Pack<T, 4> t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(f[e]);
+    *reinterpret_cast<Pack<T, 4>*>(vs + swz(r, q >> 1) + (q & 1) * 4) = t;
+  }
+}
+
+// out tile += scale * acc (each warp with its tile's slot) in shared memory, then 16-byte stores of the LoRA rows.
+template <typename T>
+__device__ __forceinline__ void tall_epilogue(const WarpAcc<1, 8>& acc, T* out_sm, T* out, const ExpandArgs& p,
+                                              const TallGroup& g, int n0, int n_end) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tile = warp >> 1;
+  if (g.slot[tile] >= 0) {
+    const float scale = p.scalings[g.slot[tile]];
+    for_each_acc_pair(acc, tile * kTileM, (warp & 1) * 64, lane, [&](int r, int c, float lo, float hi) {
+      if (g.rows[r] < 0 || n0 + c >= n_end) return;
+      T* o = out_sm + r * kExpandOutLd + c;
+      const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
+      store_pair(o, expand_out(to_float(old.v[0]), scale, lo), expand_out(to_float(old.v[1]), scale, hi));
+    });
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < (kTallM * kExpandBN / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
+    if (g.rows[r] >= 0 && n0 + c * 8 < n_end)
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(g.rows[r]) * p.out_total + n0 + c * 8) =
+          *reinterpret_cast<const uint4*>(out_sm + r * kExpandOutLd + c * 8);
+  }
+}
+
+// One item: for each run of tiles with one slot, its rank slabs (B slab, v rows of the run, the run's warps' MMAs);
+// the out tile is requested once, after the first B slab, then the epilogue.
+template <typename T, typename V>
+__device__ __forceinline__ void tall_item(const V* v, const T* b, T* out, const ExpandArgs& p, const TallGroup& g,
+                                          int n0, int n_end, int vcol0, T* out_sm, bool& waited) {
+  T* vs = out_sm + kTallM * kExpandOutLd;  // [kTallM * kMmaBK]
+  T* bs = vs + kTallM * kMmaBK;            // [kExpandBN * kMmaBK]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tile = warp >> 1;
+  const bool warp_live = n0 + (warp & 1) * 64 < n_end;
   WarpAcc<1, 8> acc;
   zero_acc(acc);
-  for (int k0 = 0; k0 < ti.rank; k0 += 16) {  // the k16 steps, in order
-    const uint32_t a[4] = {tall_v_pair<T>(v, p, row[0], vcol0 + k0 + t2, k0 + t2, ti.rank),
-                           tall_v_pair<T>(v, p, row[1], vcol0 + k0 + t2, k0 + t2, ti.rank),
-                           tall_v_pair<T>(v, p, row[0], vcol0 + k0 + t2 + 8, k0 + t2 + 8, ti.rank),
-                           tall_v_pair<T>(v, p, row[1], vcol0 + k0 + t2 + 8, k0 + t2 + 8, ti.rank)};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int n = c0 + nt * 8 + g;
-      mma_16816<T>(acc[0][nt], a, tall_b_pair(b, p, ti.slot, n, n_end, k0 + t2, ti.rank),
-                   tall_b_pair(b, p, ti.slot, n, n_end, k0 + t2 + 8, ti.rank));
+  bool out_requested = false;
+  for (int lo = 0; lo < kTallTiles;) {  // block-uniform: g is in shared memory
+    int hi = lo + 1;
+    while (hi < kTallTiles && g.slot[hi] == g.slot[lo]) ++hi;
+    const int slot = g.slot[lo], rank = g.rank[lo];
+    for (int kt = 0; slot >= 0 && kt * kMmaBK < rank; ++kt) {
+      const int ksteps = min(4, (rank - kt * kMmaBK + 15) / 16);
+      tall_load_b(bs, b, p, slot, rank, n0, n_end, kt, ksteps);
+      cp_async_commit();
+      if (!out_requested) {
+        wait_once(waited);  // v and out are written by earlier kernels
+        tall_load_out(out_sm, out, p, g.rows, n0, n_end);
+        cp_async_commit();
+        out_requested = true;
+      }
+      tall_fill_v(vs, v, p, g.rows, vcol0, rank, lo, hi, kt, ksteps);
+      cp_async_wait<0>();
+      __syncthreads();  // vs, bs (and the out tile) are complete
+      if (warp_live && tile >= lo && tile < hi)
+        warp_mma_slab<T, 1, 8>(acc, vs, bs, tile * kTileM, (warp & 1) * 64, ksteps, lane);
+      __syncthreads();  // vs and bs are refilled by the next slab or run
     }
+    lo = hi;
   }
-  const float scale = p.scalings[ti.slot];
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int col = c0 + nt * 8 + t2;
-      if (row[h] < 0 || col >= n_end) continue;
-      const Pack<T, 2> o = *reinterpret_cast<const Pack<T, 2>*>(&old[nt][h]);
-      store_pair(out + static_cast<int64_t>(row[h]) * p.out_total + col,
-                 expand_out(to_float(o.v[0]), scale, acc[0][nt][2 * h]),
-                 expand_out(to_float(o.v[1]), scale, acc[0][nt][2 * h + 1]));
-    }
+  if (out_requested) tall_epilogue(acc, out_sm, out, p, g, n0, n_end);
 }
 
 template <typename T, typename V>
-__global__ void __launch_bounds__(kTallThreads, 4)
+__global__ void __launch_bounds__(kExpandThreads, 2)
     sgmv_expand_tall_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* out_sm = reinterpret_cast<T*>(smem_raw);  // [kTallM][kExpandOutLd], then vs and bs
+  __shared__ TallGroup g;
   griddep_launch_dependents();
   bool waited = false;
-  const int n = num_tiles(p.w), warp = threadIdx.x >> 5;
+  const int n = num_tiles(p.w);
   const int total = (n + kTallTiles - 1) / kTallTiles * p.n_tiles;
-  for (int item = blockIdx.x; item < total; item += gridDim.x) {  // warps run alone: no barrier anywhere
-    const int ct = item % p.n_tiles, sl = slice_of(p, ct), t = item / p.n_tiles * kTallTiles + (warp >> 1);
-    const int c0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kExpandBN + (warp & 1) * 64;
-    const int n_end = pick(p.offsets, sl + 1);
-    if (t >= n || c0 >= n_end) continue;
-    const TileInfo ti = load_tile(p.w, t, p.R);
-    if (ti.slot >= 0) tall_warp<T, V>(v, b, out, p, ti, c0, n_end, sl * p.R, waited);
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int ct = item % p.n_tiles, sl = slice_of(p, ct);
+    const int n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kExpandBN;
+    __syncthreads();  // the previous item is done with g and out_sm
+    tall_fill_group(g, p.w, item / p.n_tiles * kTallTiles, n, p.R);
+    __syncthreads();
+    tall_item<T, V>(v, b, out, p, g, n0, pick(p.offsets, sl + 1), sl * p.R, out_sm, waited);
   }
   wait_once(waited);  // as sgmv_expand_mma_kernel: the stream's next kernel must not overtake the producer
 }
 
 template <typename T, typename V>
 cudaError_t launch_expand_tall(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<sgmv_expand_tall_kernel<T, V>>(cfg, kTallThreads, 0, v, b, out, p);
+  return launch_kernel<sgmv_expand_tall_kernel<T, V>>(cfg, kExpandThreads, kTallSmemBytes, v, b, out, p);
 }
 
 }  // namespace lora_kernels

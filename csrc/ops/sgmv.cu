@@ -161,7 +161,7 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
                      static_cast<int>(offs.size()) - 1, aligned);
 }
 
-// run_expand with the kernel and grid for out's rows: the tall kernel from kTallExpandRows rows on (tensor-core
+// run_expand with the kernel and grid for out's rows: the 64-row kernel from kTallExpandRows rows on (tensor-core
 // plans only; the same bits as the 16-row kernel); else the 16-row kernel.
 void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
                    const ExpandArgs& p, const ExpandPlan& plan, int64_t max_tiles) {

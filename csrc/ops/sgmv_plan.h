@@ -25,10 +25,10 @@ inline int64_t max_splits(int64_t N) { return N <= 16 ? 32 : (N <= 32 ? 16 : 8);
 // sgmv_apply sums the split-K planes in a kernel of its own (instead of in every column tile of the
 // expand) from this many rows of x on. The same sums in the same order either way: no bit changes.
 constexpr int64_t kReduceFirstRows = 1024;
-// The tensor-core expand runs its tall kernel (kernels/sgmv_expand_tall.cuh: 32-row items, warps that keep out, v and
-// B in registers) from this many rows of out on, where the 16-row kernel is issue-bound. Both compute a row's bits
-// alike, so the choice by rows keeps batch invariance. Its grid is one CTA per item up to kTallCtasPerSm per SM
-// (CTAs that come and go overlap one item's stores with the next one's loads).
+// The tensor-core expand runs 64-row items (kernels/sgmv_expand_tall.cuh) from this many rows of out on: the 16-row
+// kernel is issue-bound there. Both compute a row's bits alike, so the choice by rows keeps batch invariance. Its
+// grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go overlap one item's stores with the
+// next one's loads; a persistent double-buffered form measured slower).
 constexpr int64_t kTallExpandRows = 1024;
 constexpr int kTallCtasPerSm = 256;
 
