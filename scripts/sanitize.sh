@@ -9,7 +9,8 @@
 #
 #   scripts/sanitize.sh                                   # memcheck + racecheck over the loader tests
 #   scripts/sanitize.sh kernels                           # all four tools over the cuda kernels' small-shape
-#                                                         # GPU tests and the one-launch kernel's (issue 21)
+#                                                         # GPU tests, the one-launch kernel's and one of the
+#                                                         # tall expand's (issue 21)
 #   scripts/sanitize.sh racecheck -- tests/test_loader_gpu.py -k evict
 #   scripts/sanitize.sh memcheck,initcheck -- tests/test_cuda_backend.py -x
 #
@@ -26,7 +27,8 @@ if [ $# -gt 0 ] && [ "$1" = "kernels" ]; then
   shift
   tools="memcheck,racecheck,synccheck,initcheck"
   [ $# -gt 0 ] && [ "$1" = "--" ] && shift
-  [ $# -eq 0 ] && set -- tests/test_cuda_backend.py tests/test_cuda_fused.py -k "small or qkv-16-1"
+  [ $# -eq 0 ] && set -- tests/test_cuda_backend.py tests/test_cuda_fused.py tests/test_cuda_tall.py \
+    -k "small or qkv-16-1 or (narrow and bf16 and filler_last)"
 fi
 if [ $# -gt 0 ] && [ "$1" != "--" ] && [ "${1#-}" = "$1" ] && [ "${1#tests}" = "$1" ]; then tools=$1; shift; fi
 [ $# -gt 0 ] && [ "$1" = "--" ] && shift

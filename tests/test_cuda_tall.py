@@ -47,9 +47,9 @@ def _kernels(fn):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "sgmv" in e.name]
 
 
-@pytest.mark.parametrize("filler_first", [False, True])
+@pytest.mark.parametrize("filler_first", [False, True], ids=["filler_last", "filler_first"])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
     """The rows of SEGMENTS alone (287 rows: the 16-row kernel) and inside a batch with a 1100-row segment (the tall
     kernel, the rows' tiles grouped differently by where the filler sits): torch.equal, for apply_lora and

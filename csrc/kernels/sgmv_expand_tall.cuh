@@ -9,14 +9,16 @@
 // a persistent grid of two CTAs per SM with a double-buffered out tile 752; items of two tiles in 4-warp CTAs held to
 // 80 registers (six per SM; the cap put 144-176 bytes of stack frame in use) 823; 32-row items whose warps keep out,
 // v and B fragments in registers with no shared memory or barrier (each k16 step waits on its own v and B loads;
-// 128 registers) 864, and 2233 at r64; the 16-row kernel 797.
+// 128 registers) 864, and 2233 at r64; this one with a two-pass epilogue through an fp32 tile in shared memory 709
+// (ncu: the same 279M instructions against 284M, so the per-pair epilogue is not where they go); the 16-row kernel
+// 797. ncu of this one against Triton's tall expand (same module): 284M executed instructions against 106M, ALU the
+// top pipe (48%), 25% occupancy (128 registers x 256 threads) against 50% (64 x 128), DRAM 41% against 87%.
 //
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps of the same operands (v rounded to
 // T, zero past the rank) and the same fma epilogue as the 16-row kernel's; the M tiling does not enter a row's
 // result. So the choice between the two kernels (by rows, ops/sgmv_plan.h) keeps batch invariance.
 // Raw pointers only; no torch headers.
 #pragma once
-#include <algorithm>
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -25,11 +27,7 @@
 namespace lora_kernels {
 
 constexpr int kTallTiles = 4, kTallM = kTallTiles * kTileM;
-// fp32 row of the epilogue's accumulator tile: 8 banks apart, so a half-warp's pair stores do not conflict
-constexpr int kTallAccLd = kExpandBN + 8;
-// out tile, then vs and bs, whose space the epilogue's fp32 accumulator tile reuses once the MMAs are done
-constexpr int kTallSmemBytes =
-    kTallM * kExpandOutLd * 2 + std::max((kTallM + kExpandBN) * kMmaBK * 2, kTallM * kTallAccLd * 4);
+constexpr int kTallSmemBytes = (kTallM * kExpandOutLd + (kTallM + kExpandBN) * kMmaBK) * 2;
 static_assert(kExpandThreads / 32 == 2 * kTallTiles && kExpandBN == 2 * 64, "warp w: tile w / 2, 64 columns");
 
 struct TallGroup {
@@ -109,32 +107,27 @@ __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs&
   }
 }
 
-// The epilogue in two passes: the warps' accumulators into acc_sm (fp32, the out tile's layout), then per 16-byte
-// chunk of the out tile, 8 fused multiply-adds and one 16-byte store of the LoRA rows. (A per-pair read-modify-write
-// of the staged out tile, with its row and column checks, made this kernel ALU-bound: ncu, 2.7x Triton's
-// instructions per row.)
+// out tile += scale * acc (each warp with its tile's slot) in shared memory, then 16-byte stores of the LoRA rows.
 template <typename T>
-__device__ __forceinline__ void tall_epilogue(const WarpAcc<1, 8>& acc, bool warp_live, const T* out_sm, float* acc_sm,
-                                              T* out, const ExpandArgs& p, const TallGroup& g, int n0, int n_end) {
+__device__ __forceinline__ void tall_epilogue(const WarpAcc<1, 8>& acc, T* out_sm, T* out, const ExpandArgs& p,
+                                              const TallGroup& g, int n0, int n_end) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tile = warp >> 1;
-  if (warp_live && g.slot[tile] >= 0)
+  if (g.slot[tile] >= 0) {
+    const float scale = p.scalings[g.slot[tile]];
     for_each_acc_pair(acc, tile * kTileM, (warp & 1) * 64, lane, [&](int r, int c, float lo, float hi) {
-      *reinterpret_cast<float2*>(acc_sm + r * kTallAccLd + c) = make_float2(lo, hi);
+      if (g.rows[r] < 0 || n0 + c >= n_end) return;
+      T* o = out_sm + r * kExpandOutLd + c;
+      const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
+      store_pair(o, expand_out(to_float(old.v[0]), scale, lo), expand_out(to_float(old.v[1]), scale, hi));
     });
+  }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < (kTallM * kExpandBN / 8) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = (idx & 15) * 8;
-    if (g.rows[r] < 0 || n0 + c >= n_end) continue;
-    const float scale = p.scalings[g.slot[r / kTileM]];
-    const Pack<T, 8> old = *reinterpret_cast<const Pack<T, 8>*>(out_sm + r * kExpandOutLd + c);
-    const float4 a0 = *reinterpret_cast<const float4*>(acc_sm + r * kTallAccLd + c);
-    const float4 a1 = *reinterpret_cast<const float4*>(acc_sm + r * kTallAccLd + c + 4);
-    const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-    Pack<T, 8> res;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) res.v[e] = from_float<T>(expand_out(to_float(old.v[e]), scale, a[e]));
-    *reinterpret_cast<Pack<T, 8>*>(out + static_cast<int64_t>(g.rows[r]) * p.out_total + n0 + c) = res;
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
+    if (g.rows[r] >= 0 && n0 + c * 8 < n_end)
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(g.rows[r]) * p.out_total + n0 + c * 8) =
+          *reinterpret_cast<const uint4*>(out_sm + r * kExpandOutLd + c * 8);
   }
 }
 
@@ -173,7 +166,7 @@ __device__ __forceinline__ void tall_item(const V* v, const T* b, T* out, const 
     }
     lo = hi;
   }
-  if (out_requested) tall_epilogue(acc, warp_live, out_sm, reinterpret_cast<float*>(vs), out, p, g, n0, n_end);
+  if (out_requested) tall_epilogue(acc, out_sm, out, p, g, n0, n_end);
 }
 
 template <typename T, typename V>
