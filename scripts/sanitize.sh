@@ -17,9 +17,9 @@
 # Exit status: 0 when every tool reports 0 errors and pytest passed under it, else 1. The 10k-cycle leak test
 # is deselected by default (minutes under the sanitizer, and it checks host memory, which the tools do not).
 # SANITIZER_ARGS adds options (e.g. "--racecheck-report all"); COMPUTE_SANITIZER names the binary.
-# Tests see LORA_KERNELS_SANITIZER=1: under the sanitizer torch.profiler records no kernels, so the tests that name
-# the kernels a call launched skip that one check. The kernels' selection leaves out sgmv_linear's tests: their base
-# GEMM is cuBLAS's (racecheck reported hazards inside its nvjet kernel, and initcheck flagged our expand's reads of
+# Under the sanitizer torch.profiler records no kernels: the tests that name the kernels a call launched skip that
+# one check where LORA_KERNELS_SANITIZER is set (below). The kernels' selection leaves out sgmv_linear's tests:
+# their base GEMM is cuBLAS's (racecheck reported hazards inside its nvjet kernel, and initcheck flagged our expand's reads of
 # the GEMM's output, presumably written by TMA stores the tool does not track; 2026-11-26).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +38,6 @@ if [ $# -gt 0 ] && [ "$1" != "--" ] && [ "${1#-}" = "$1" ] && [ "${1#tests}" = "
 [ $# -gt 0 ] && [ "$1" = "--" ] && shift
 if [ $# -eq 0 ]; then set -- tests/test_loader_gpu.py -k "not 10k"; fi
 
-export LORA_KERNELS_SANITIZER=1
 san=${COMPUTE_SANITIZER:-}
 if [ -z "$san" ]; then
   san=$(command -v compute-sanitizer || true)

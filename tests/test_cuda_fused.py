@@ -121,7 +121,7 @@ def test_linear_one_launch_has_the_same_bits(shape, rank, rows, monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(one, two) and torch.equal(forced_on, two), "the one-launch path changed bits"
     assert not torch.equal(two, torch.nn.functional.linear(case.x, weight)), "LoRA changed nothing"
-    if os.environ.get("LORA_KERNELS_SANITIZER") == "1":  # the profiler records nothing under compute-sanitizer
+    if os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
         return
     assert all("fused" not in n for n in launched_off) and len(launched_off) >= 2, launched_off
     if case.x.shape[0] <= 64:  # x has the case's extra (padding) rows beyond its segments' `rows`
