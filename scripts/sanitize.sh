@@ -19,8 +19,8 @@
 # SANITIZER_ARGS adds options (e.g. "--racecheck-report all"); COMPUTE_SANITIZER names the binary.
 # Under the sanitizer torch.profiler records no kernels: the tests that name the kernels a call launched skip that
 # one check where LORA_KERNELS_SANITIZER is set (below). The kernels' selection leaves out sgmv_linear's tests:
-# their base GEMM is cuBLAS's (racecheck reported hazards inside its nvjet kernel, and initcheck flagged our expand's reads of
-# the GEMM's output, presumably written by TMA stores the tool does not track; 2026-11-26).
+# their base GEMM is cuBLAS's (racecheck reported hazards inside its nvjet kernel, and initcheck flagged our
+# expand's reads of the GEMM's output, presumably written by TMA stores the tool does not track; 2026-11-26).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
