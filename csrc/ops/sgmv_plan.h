@@ -30,7 +30,7 @@ constexpr int64_t kReduceFirstRows = 1024;
 // grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go overlap one item's stores with the
 // next one's loads; a persistent double-buffered form measured slower).
 constexpr int64_t kTallExpandRows = 1024;
-constexpr int kTallCtasPerSm = 256;
+constexpr int kTallCtasPerSm = 64;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
