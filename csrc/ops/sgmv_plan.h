@@ -28,7 +28,7 @@ constexpr int64_t kReduceFirstRows = 1024;
 // The tensor-core expand runs 64-row items (kernels/sgmv_expand_tall.cuh) from this many rows of out on: the 16-row
 // kernel is issue-bound there. Both compute a row's bits alike, so the choice by rows keeps batch invariance. Its
 // grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go overlap one item's stores with the
-// next one's loads; a persistent double-buffered form measured slower).
+// next one's loads; a persistent double-buffered form measured slower, and 256 CTAs 2% slower than 64).
 constexpr int64_t kTallExpandRows = 1024;
 constexpr int kTallCtasPerSm = 64;
 
