@@ -58,14 +58,16 @@ __device__ __forceinline__ void tall_fill_group(TallGroup& g, const WorkArgs& w,
 }
 
 // B slab kt of `slot` for the item's columns: only the chunks of the first `ksteps` k16 steps (what the MMAs read),
-// zero-filled past the rank and past the slice.
+// zero-filled past the rank and past the slice. Pass i copies k16 step i's two chunks of every row, so a rank of 16
+// takes one pass and no lane idles.
 template <typename T>
 __device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs& p, int slot, int rank, int n0,
                                             int n_end, int kt, int ksteps) {
+  static_assert(kExpandBN * 2 == kExpandThreads, "a pass is two chunks of every row");
 #pragma unroll
-  for (int i = 0; i < (kExpandBN * kMmaBK / 8) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 3, c = idx & 7;
-    if (c >= 2 * ksteps) continue;
+  for (int i = 0; i < kMmaBK / 16; ++i) {
+    if (i >= ksteps) break;
+    const int r = threadIdx.x % kExpandBN, c = 2 * i + threadIdx.x / kExpandBN;
     const int n = n0 + r, j = kt * kMmaBK + c * 8;
     const int bytes = n < n_end ? max(0, min(16, (rank - j) * 2)) : 0;
     cp_async16(bs + swz(r, c), bytes ? b + (static_cast<int64_t>(slot) * p.out_total + n) * p.R + j : b, bytes);
@@ -85,14 +87,16 @@ __device__ __forceinline__ void tall_load_out(T* out_sm, const T* out, const Exp
 }
 
 // vs rows of tiles [t_lo, t_hi) = v (planes summed in order) for the slab's first `ksteps` k16 steps, as T, 0 past
-// the rank and for rows outside x.
+// the rank and for rows outside x. Pass i fills k16 step i's four quads of every row (a rank of 16: one pass).
 template <typename T, typename V>
 __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs& p, const int* rows, int vcol0,
                                             int rank, int t_lo, int t_hi, int kt, int ksteps) {
+  static_assert(kTallM * 4 == kExpandThreads, "a pass is four quads of every row");
 #pragma unroll
-  for (int i = 0; i < (kTallM * kMmaBK / 4) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, q = idx & 15;
-    if (r / kTileM < t_lo || r / kTileM >= t_hi || q >= 4 * ksteps) continue;
+  for (int i = 0; i < kMmaBK / 16; ++i) {
+    if (i >= ksteps) break;
+    const int r = threadIdx.x % kTallM, q = 4 * i + threadIdx.x / kTallM;
+    if (r / kTileM < t_lo || r / kTileM >= t_hi) continue;
     const int j0 = kt * kMmaBK + q * 4;
     float f[4] = {0.f, 0.f, 0.f, 0.f};
     if (rows[r] >= 0 && j0 < rank) {
@@ -108,18 +112,28 @@ __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs&
 }
 
 // out tile += scale * acc (each warp with its tile's slot) in shared memory, then 16-byte stores of the LoRA rows.
+// A lane's accumulators lie on two rows (g and g + 8 of its tile): their checks are made once, not per pair.
 template <typename T>
 __device__ __forceinline__ void tall_epilogue(const WarpAcc<1, 8>& acc, T* out_sm, T* out, const ExpandArgs& p,
                                               const TallGroup& g, int n0, int n_end) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tile = warp >> 1;
   if (g.slot[tile] >= 0) {
     const float scale = p.scalings[g.slot[tile]];
-    for_each_acc_pair(acc, tile * kTileM, (warp & 1) * 64, lane, [&](int r, int c, float lo, float hi) {
-      if (g.rows[r] < 0 || n0 + c >= n_end) return;
-      T* o = out_sm + r * kExpandOutLd + c;
-      const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
-      store_pair(o, expand_out(to_float(old.v[0]), scale, lo), expand_out(to_float(old.v[1]), scale, hi));
-    });
+    const int c0 = (warp & 1) * 64 + (lane & 3) * 2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = tile * kTileM + (lane >> 2) + h * 8;
+      if (g.rows[r] < 0) continue;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int c = c0 + nt * 8;
+        if (n0 + c >= n_end) break;  // the slice ends inside this warp's columns
+        T* o = out_sm + r * kExpandOutLd + c;
+        const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
+        store_pair(o, expand_out(to_float(old.v[0]), scale, acc[0][nt][2 * h]),
+                   expand_out(to_float(old.v[1]), scale, acc[0][nt][2 * h + 1]));
+      }
+    }
   }
   __syncthreads();
 #pragma unroll
