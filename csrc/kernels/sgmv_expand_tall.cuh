@@ -59,7 +59,7 @@ __device__ __forceinline__ void tall_fill_group(TallGroup& g, const WorkArgs& w,
 
 // B slab kt of `slot` for the item's columns: only the chunks of the first `ksteps` k16 steps (what the MMAs read),
 // zero-filled past the rank and past the slice. Pass i copies k16 step i's two chunks of every row, so a rank of 16
-// takes one pass and no lane idles.
+// takes one pass and no lane idles; two lanes take a row's two chunks (32 contiguous bytes: whole sectors).
 template <typename T>
 __device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs& p, int slot, int rank, int n0,
                                             int n_end, int kt, int ksteps) {
@@ -67,7 +67,7 @@ __device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs&
 #pragma unroll
   for (int i = 0; i < kMmaBK / 16; ++i) {
     if (i >= ksteps) break;
-    const int r = threadIdx.x % kExpandBN, c = 2 * i + threadIdx.x / kExpandBN;
+    const int r = threadIdx.x >> 1, c = 2 * i + (threadIdx.x & 1);
     const int n = n0 + r, j = kt * kMmaBK + c * 8;
     const int bytes = n < n_end ? max(0, min(16, (rank - j) * 2)) : 0;
     cp_async16(bs + swz(r, c), bytes ? b + (static_cast<int64_t>(slot) * p.out_total + n) * p.R + j : b, bytes);
@@ -87,7 +87,8 @@ __device__ __forceinline__ void tall_load_out(T* out_sm, const T* out, const Exp
 }
 
 // vs rows of tiles [t_lo, t_hi) = v (planes summed in order) for the slab's first `ksteps` k16 steps, as T, 0 past
-// the rank and for rows outside x. Pass i fills k16 step i's four quads of every row (a rank of 16: one pass).
+// the rank and for rows outside x. Pass i fills k16 step i's four quads of every row (a rank of 16: one pass); four
+// lanes take a row's four quads (64 contiguous bytes of fp32 v: whole sectors; v is read once per column tile).
 template <typename T, typename V>
 __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs& p, const int* rows, int vcol0,
                                             int rank, int t_lo, int t_hi, int kt, int ksteps) {
@@ -95,7 +96,7 @@ __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs&
 #pragma unroll
   for (int i = 0; i < kMmaBK / 16; ++i) {
     if (i >= ksteps) break;
-    const int r = threadIdx.x % kTallM, q = 4 * i + threadIdx.x / kTallM;
+    const int r = threadIdx.x >> 2, q = 4 * i + (threadIdx.x & 3);
     if (r / kTileM < t_lo || r / kTileM >= t_hi) continue;
     const int j0 = kt * kMmaBK + q * 4;
     float f[4] = {0.f, 0.f, 0.f, 0.f};
