@@ -58,19 +58,26 @@ __device__ __forceinline__ void tall_fill_group(TallGroup& g, const WorkArgs& w,
 }
 
 // B slab kt of `slot` for the item's columns: only the chunks of the first `ksteps` k16 steps (what the MMAs read),
-// zero-filled past the rank and past the slice. Pass i copies k16 step i's two chunks of every row, so a rank of 16
-// takes one pass and no lane idles; two lanes take a row's two chunks (32 contiguous bytes: whole sectors).
+// zero-filled past the rank and past the slice. One k16 step (ranks up to 16): one pass, two lanes on a row's two
+// chunks, every lane busy; more: eight lanes on a row's 8 chunks, those past the steps idle (measured
+// faster at r64: 1630 us against 1810 for a pass per k16 step).
 template <typename T>
 __device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs& p, int slot, int rank, int n0,
                                             int n_end, int kt, int ksteps) {
-  static_assert(kExpandBN * 2 == kExpandThreads, "a pass is two chunks of every row");
-#pragma unroll
-  for (int i = 0; i < kMmaBK / 16; ++i) {
-    if (i >= ksteps) break;
-    const int r = threadIdx.x >> 1, c = 2 * i + (threadIdx.x & 1);
+  static_assert(kExpandBN * 2 == kExpandThreads, "one pass is two chunks of every row");
+  const auto copy = [&](int r, int c) {
     const int n = n0 + r, j = kt * kMmaBK + c * 8;
     const int bytes = n < n_end ? max(0, min(16, (rank - j) * 2)) : 0;
     cp_async16(bs + swz(r, c), bytes ? b + (static_cast<int64_t>(slot) * p.out_total + n) * p.R + j : b, bytes);
+  };
+  if (ksteps == 1) {
+    copy(threadIdx.x >> 1, threadIdx.x & 1);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < (kExpandBN * kMmaBK / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads;
+    if ((idx & 7) < 2 * ksteps) copy(idx >> 3, idx & 7);
   }
 }
 
@@ -87,17 +94,14 @@ __device__ __forceinline__ void tall_load_out(T* out_sm, const T* out, const Exp
 }
 
 // vs rows of tiles [t_lo, t_hi) = v (planes summed in order) for the slab's first `ksteps` k16 steps, as T, 0 past
-// the rank and for rows outside x. Pass i fills k16 step i's four quads of every row (a rank of 16: one pass); four
-// lanes take a row's four quads (64 contiguous bytes of fp32 v: whole sectors; v is read once per column tile).
+// the rank and for rows outside x. One k16 step: one pass, four lanes on a row's four quads; more: sixteen lanes on
+// a row's 16 quads, those past the steps idle (as tall_load_b, by the measurements there).
 template <typename T, typename V>
 __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs& p, const int* rows, int vcol0,
                                             int rank, int t_lo, int t_hi, int kt, int ksteps) {
-  static_assert(kTallM * 4 == kExpandThreads, "a pass is four quads of every row");
-#pragma unroll
-  for (int i = 0; i < kMmaBK / 16; ++i) {
-    if (i >= ksteps) break;
-    const int r = threadIdx.x >> 2, q = 4 * i + (threadIdx.x & 3);
-    if (r / kTileM < t_lo || r / kTileM >= t_hi) continue;
+  static_assert(kTallM * 4 == kExpandThreads, "one pass is four quads of every row");
+  const auto fill = [&](int r, int q) {
+    if (r / kTileM < t_lo || r / kTileM >= t_hi) return;
     const int j0 = kt * kMmaBK + q * 4;
     float f[4] = {0.f, 0.f, 0.f, 0.f};
     if (rows[r] >= 0 && j0 < rank) {
@@ -109,6 +113,15 @@ __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs&
 #pragma unroll
     for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(f[e]);
     *reinterpret_cast<Pack<T, 4>*>(vs + swz(r, q >> 1) + (q & 1) * 4) = t;
+  };
+  if (ksteps == 1) {
+    fill(threadIdx.x >> 2, threadIdx.x & 3);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < (kTallM * kMmaBK / 4) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads;
+    if ((idx & 15) < 4 * ksteps) fill(idx >> 4, idx & 15);
   }
 }
 
