@@ -5,14 +5,15 @@
 // 16-row kernel issue-bound at prefill (SM 64%, DRAM 28-35%, `not_selected` the top stall). Here one B slab serves
 // a run of tiles of the same slot (a prefill segment is 64 tiles), only the k16 steps under the rank are loaded,
 // and the out tile is 64 rows. 8 warps: warp w owns tile w / 2 of the group, 64 columns (w % 2) of the item.
-// Measured forms that were slower at gate_up prefill r16 (H100, µs): this one 647 (grid capped at 64 CTAs per SM);
-// a persistent grid of two CTAs per SM with a double-buffered out tile 752; items of two tiles in 4-warp CTAs held to
-// 80 registers (six per SM; the cap put 144-176 bytes of stack frame in use) 823; 32-row items whose warps keep out,
-// v and B fragments in registers with no shared memory or barrier (each k16 step waits on its own v and B loads;
-// 128 registers) 864, and 2233 at r64; this one with a two-pass epilogue through an fp32 tile in shared memory 709
-// (ncu: the same 279M instructions against 284M, so the per-pair epilogue is not where they go); the 16-row kernel
-// 797. ncu of this one against Triton's tall expand (same module): 284M executed instructions against 106M, ALU the
-// top pipe (48%), 25% occupancy (128 registers x 256 threads) against 50% (64 x 128), DRAM 41% against 87%.
+// Measured on an H100 (gate_up expand at prefill r16 by ncu / layers r16 and r64 by bench_kernels, µs): the 16-row
+// kernel 797 / 1550 / 1910. This kernel's first form 647 / 1330 / 1630: ALU-bound (ncu against Triton's tall expand
+// on the same module: 284M executed instructions against 106M, 25% occupancy against 50%, DRAM 41% against 87%).
+// This form (the B and v fills one pass per k16 step, lanes on whole sectors; the epilogue's row checks once per lane
+// row) 487 (176M instructions, every lane active) / 1100 / 1810: better up to rank 16, worse at 64, where the first
+// form's 8- and 16-lane row layouts were faster (using those beyond one k16 step is the next form to measure).
+// Slower forms: a persistent grid of two CTAs per SM with a double-buffered out tile 752; 4-warp CTAs of two tiles
+// held to 80 registers (stack frame in use) 823; warps keeping out, v and B fragments in registers, no shared memory
+// (each k16 step waits on its own loads) 864, 2233 at r64; a two-pass epilogue through an fp32 tile 709.
 //
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps of the same operands (v rounded to
 // T, zero past the rank) and the same fma epilogue as the 16-row kernel's; the M tiling does not enter a row's
@@ -58,26 +59,19 @@ __device__ __forceinline__ void tall_fill_group(TallGroup& g, const WorkArgs& w,
 }
 
 // B slab kt of `slot` for the item's columns: only the chunks of the first `ksteps` k16 steps (what the MMAs read),
-// zero-filled past the rank and past the slice. One k16 step (ranks up to 16): one pass, two lanes on a row's two
-// chunks, every lane busy; more: eight lanes on a row's 8 chunks, those past the steps idle (measured
-// faster at r64: 1630 us against 1810 for a pass per k16 step).
+// zero-filled past the rank and past the slice. Pass i copies k16 step i's two chunks of every row, so a rank of 16
+// takes one pass and no lane idles; two lanes take a row's two chunks (32 contiguous bytes: whole sectors).
 template <typename T>
 __device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs& p, int slot, int rank, int n0,
                                             int n_end, int kt, int ksteps) {
-  static_assert(kExpandBN * 2 == kExpandThreads, "one pass is two chunks of every row");
-  const auto copy = [&](int r, int c) {
+  static_assert(kExpandBN * 2 == kExpandThreads, "a pass is two chunks of every row");
+#pragma unroll
+  for (int i = 0; i < kMmaBK / 16; ++i) {
+    if (i >= ksteps) break;
+    const int r = threadIdx.x >> 1, c = 2 * i + (threadIdx.x & 1);
     const int n = n0 + r, j = kt * kMmaBK + c * 8;
     const int bytes = n < n_end ? max(0, min(16, (rank - j) * 2)) : 0;
     cp_async16(bs + swz(r, c), bytes ? b + (static_cast<int64_t>(slot) * p.out_total + n) * p.R + j : b, bytes);
-  };
-  if (ksteps == 1) {
-    copy(threadIdx.x >> 1, threadIdx.x & 1);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < (kExpandBN * kMmaBK / 8) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads;
-    if ((idx & 7) < 2 * ksteps) copy(idx >> 3, idx & 7);
   }
 }
 
@@ -94,14 +88,17 @@ __device__ __forceinline__ void tall_load_out(T* out_sm, const T* out, const Exp
 }
 
 // vs rows of tiles [t_lo, t_hi) = v (planes summed in order) for the slab's first `ksteps` k16 steps, as T, 0 past
-// the rank and for rows outside x. One k16 step: one pass, four lanes on a row's four quads; more: sixteen lanes on
-// a row's 16 quads, those past the steps idle (as tall_load_b, by the measurements there).
+// the rank and for rows outside x. Pass i fills k16 step i's four quads of every row (a rank of 16: one pass); four
+// lanes take a row's four quads (64 contiguous bytes of fp32 v: whole sectors; v is read once per column tile).
 template <typename T, typename V>
 __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs& p, const int* rows, int vcol0,
                                             int rank, int t_lo, int t_hi, int kt, int ksteps) {
-  static_assert(kTallM * 4 == kExpandThreads, "one pass is four quads of every row");
-  const auto fill = [&](int r, int q) {
-    if (r / kTileM < t_lo || r / kTileM >= t_hi) return;
+  static_assert(kTallM * 4 == kExpandThreads, "a pass is four quads of every row");
+#pragma unroll
+  for (int i = 0; i < kMmaBK / 16; ++i) {
+    if (i >= ksteps) break;
+    const int r = threadIdx.x >> 2, q = 4 * i + (threadIdx.x & 3);
+    if (r / kTileM < t_lo || r / kTileM >= t_hi) continue;
     const int j0 = kt * kMmaBK + q * 4;
     float f[4] = {0.f, 0.f, 0.f, 0.f};
     if (rows[r] >= 0 && j0 < rank) {
@@ -113,15 +110,6 @@ __device__ __forceinline__ void tall_fill_v(T* vs, const V* v, const ExpandArgs&
 #pragma unroll
     for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(f[e]);
     *reinterpret_cast<Pack<T, 4>*>(vs + swz(r, q >> 1) + (q & 1) * 4) = t;
-  };
-  if (ksteps == 1) {
-    fill(threadIdx.x >> 2, threadIdx.x & 3);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < (kTallM * kMmaBK / 4) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads;
-    if ((idx & 15) < 4 * ksteps) fill(idx >> 4, idx & 15);
   }
 }
 
