@@ -6,17 +6,21 @@
 #   scripts/ncu_regimes.sh [BACKENDS] [CASES]
 #     BACKENDS  comma-separated (default triton,cuda)
 #     CASES     ';'-separated bench_kernels case names, each optionally "NAME|ORDER" (default: one per regime)
-# Files in $OUT (or ./out): ncu_<backend>_<n>.csv and ncu_regimes.md. Needs the extension built (device_check.sh build).
+# Files in $OUT (or ./out): ncu_<backend>_<n>.csv and ncu_regimes.md. Needs the extension built
+# (scripts/device_check.sh build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 backends=${1:-triton,cuda}
-cases=${2:-"r16 decode 1x1 distinct|unsorted;r16 decode 64x1 uniform|sorted;r64 decode 256x1 uniform|sorted;r16 prefill 8x1024 distinct|unsorted;r64 prefill 8x1024 distinct|unsorted"}
+regimes="r16 decode 1x1 distinct|unsorted;r16 decode 64x1 uniform|sorted;r64 decode 256x1 uniform|sorted"
+regimes="$regimes;r16 prefill 8x1024 distinct|unsorted;r64 prefill 8x1024 distinct|unsorted"
+cases=${2:-$regimes}
 all=$(python3 bench/profile/ncu_summary.py --metrics-all)
 safe=$(python3 bench/profile/ncu_summary.py --metrics)
 md="$OUT/ncu_regimes.md"
-{ nvidia-smi --query-gpu=name --format=csv,noheader; date -u; echo "${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"; } >"$md"
+commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+{ nvidia-smi --query-gpu=name --format=csv,noheader; date -u; echo "$commit"; } >"$md"
 IFS=';' read -ra list <<<"$cases"
 for b in ${backends//,/ }; do
   n=0
