@@ -329,8 +329,9 @@ def apply(backend: str, x, out, a, b, info, offsets) -> None:
 
 
 def host_overhead(case, mods, backends):
-    """Eager host µs per apply_lora call and GPU µs per eager layer; a PATH_VARIANTS name is timed with its path
-    switched on around the whole measurement (not per call, which would add the switch to the host time)."""
+    """Eager host µs per apply_lora call (the GPU idle at each call) and GPU µs per eager layer; a PATH_VARIANTS name
+    is timed with its path switched on around the whole measurement (not per call, which would add the switch to the
+    host time)."""
     out = []
     for b in backends:
         fns = [mods[m].fns(f"{'triton' if b in PATH_VARIANTS else b} unsorted")[0] for m in MODULES]
@@ -340,7 +341,11 @@ def host_overhead(case, mods, backends):
                 f()
 
         def measure():
-            return {"host_us_per_call": common.time_host_us(fns[0], warmup=20, reps=300)["median_us"],
+            # The GPU drains between calls (untimed): an eager r64 call's kernels outlast its host work, so 300 calls
+            # in a row presumably filled the launch queue and timed the GPU (r64 45.3 µs against r16 24.8 on the
+            # H100, 2026-11-26, with no sync between calls).
+            host = common.time_host_us(fns[0], warmup=20, reps=300, settle=torch.cuda.synchronize)
+            return {"host_us_per_call": host["median_us"],
                     "eager_layer_us": common.time_cuda_us(layer, warmup=5, reps=30)}
         out.append({"case": case.name, "backend": b, **(path_on(b, measure) if b in PATH_VARIANTS else measure())})
     return out

@@ -102,20 +102,27 @@ class GraphTimer:
         return time_cuda_us(self.graph.replay, warmup=warmup, reps=reps) / self.inner
 
 
-def time_host_us(fn: Callable[[], object], warmup: int = 50, reps: int = 2000) -> dict:
+def time_host_us(fn: Callable[[], object], warmup: int = 50, reps: int = 2000,
+                 settle: Callable[[], object] | None = None) -> dict:
     """Host wall time of fn() alone, no GPU sync around it: {"median_us", "p99_us", "mean_us"} over `reps`
     calls after `warmup`. For host-side work such as batch preparation, whose cost is the time it takes
-    from the launching thread (GC left on, as in a serving process)."""
+    from the launching thread (GC left on, as in a serving process). settle (untimed) runs after each call:
+    e.g. torch.cuda.synchronize, so that a call whose kernels outlast its host work does not make the next
+    one wait for a full launch queue (that would time the GPU, not the host)."""
     import time
 
     for _ in range(warmup):
         fn()
+        if settle is not None:
+            settle()
     clock = time.perf_counter_ns
     samples = []
     for _ in range(reps):
         t0 = clock()
         fn()
         samples.append(clock() - t0)
+        if settle is not None:
+            settle()
     samples.sort()
     p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
     return {"median_us": samples[len(samples) // 2] / 1e3, "p99_us": p99 / 1e3,
