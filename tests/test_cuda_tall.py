@@ -55,7 +55,8 @@ def _kernels(fn):
 def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
     """The rows of SEGMENTS alone (287 rows: the 16-row kernel) and inside a batch with a 1100-row segment (the tall
     kernel, the rows' tiles grouped differently by where the filler sits): torch.equal, for apply_lora and
-    for sgmv_expand on a given v; the big batch is right against float64 and leaves rows of slot -1 untouched."""
+    for sgmv_expand on a given v (fp32 and the adapters' dtype); the big batch is right against float64 and leaves
+    rows of slot -1 untouched."""
     R, widths, ranks = SHAPES[shape]
     g = torch.Generator().manual_seed(2 * list(SHAPES).index(shape) + filler_first)
     in_dim = 256
@@ -85,10 +86,11 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
         assert any("expand_tall" in k for k in names), names
     assert torch.equal(out_b[mine], out_s)
-    e_s, e_b = base.clone(), big[3].clone()
-    lk.sgmv_expand(v, b, info_s, offs, e_s, backend="cuda")
-    lk.sgmv_expand(big[4], b, info_b, offs, e_b, backend="cuda")
-    assert torch.equal(e_b[mine], e_s)
+    for vd in (torch.float32, dtype):  # v in fp32 and in the adapters' dtype: both kernels' V instantiations
+        e_s, e_b = base.clone(), big[3].clone()
+        lk.sgmv_expand(v.to(vd), b, info_s, offs, e_s, backend="cuda")
+        lk.sgmv_expand(big[4].to(vd), b, info_b, offs, e_b, backend="cuda")
+        assert torch.equal(e_b[mine], e_s)
 
     no_lora = torch.zeros(n, dtype=torch.bool, device="cuda")
     no_lora[sum(seg_lens[:3]):sum(seg_lens[:4])] = True  # the slot -1 segment
