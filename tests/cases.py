@@ -231,3 +231,12 @@ def compile_for_sm90(script: str) -> list:
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE + script], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def launched_sgmv_kernels(fn) -> list[str]:
+    """Names of the extension's kernels (names with "sgmv") that fn launches on the GPU, in launch order
+    (torch.profiler; it records nothing under compute-sanitizer, whose tests skip checks built on it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "sgmv" in e.name]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lora_kernels as lk
-from cases import LLAMA_MODULES, TOL, make_case, rel_err
+from cases import LLAMA_MODULES, TOL, launched_sgmv_kernels, make_case, rel_err
 from test_cuda_backend import _poison_stale, _truth_large, _untouched
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not lk.HAS_CUDA_EXT, reason="CUDA extension not built")]
@@ -87,14 +87,6 @@ def test_fused_graph_replay_equals_eager(monkeypatch):
     assert not torch.equal(out, base), "the batch changed nothing: the test cannot fail"
 
 
-def _lora_kernels(fn) -> list[str]:
-    """Names of the extension's kernels that fn launches (torch.profiler), in launch order."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "sgmv" in e.name]
-
-
 @pytest.mark.skipif(not ON_SM90, reason="the one-launch path needs sm_90+")
 @pytest.mark.parametrize("rows", [16, 40, 63, 64])
 @pytest.mark.parametrize("rank", [16, 64])
@@ -115,9 +107,9 @@ def test_linear_one_launch_has_the_same_bits(shape, rank, rows, monkeypatch):
     monkeypatch.setenv("LORA_KERNELS_CUDA_FUSED", "1")
     forced_on = op(*args, False)
     monkeypatch.setenv("LORA_KERNELS_CUDA_FUSED", "0")
-    launched_off = _lora_kernels(lambda: op(*args, True))
+    launched_off = launched_sgmv_kernels(lambda: op(*args, True))
     monkeypatch.delenv("LORA_KERNELS_CUDA_FUSED")
-    launched = _lora_kernels(lambda: op(*args, True))
+    launched = launched_sgmv_kernels(lambda: op(*args, True))
     torch.cuda.synchronize()
     assert torch.equal(one, two) and torch.equal(forced_on, two), "the one-launch path changed bits"
     assert not torch.equal(two, torch.nn.functional.linear(case.x, weight)), "LoRA changed nothing"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lora_kernels as lk
-from cases import TOL, make_info, rel_err
+from cases import TOL, launched_sgmv_kernels, make_info, rel_err
 
 HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the CUDA extension and a GPU")]
@@ -40,13 +40,6 @@ def _weights(g, dtype, in_dim, R, widths, ranks):
 
 def _info(seg_lens, slots, ranks, scal):
     return make_info(seg_lens, slots, None, torch.tensor(ranks, dtype=torch.int32, device="cuda"), scal, "cuda")
-
-
-def _kernels(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "sgmv" in e.name]
 
 
 @pytest.mark.parametrize("filler_first", [False, True], ids=["filler_last", "filler_first"])
@@ -82,7 +75,7 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
 
     out_s, out_b = base.clone(), big[3].clone()
     lk.apply_lora(x, out_s, a, b, info_s, offs, backend="cuda")
-    names = _kernels(lambda: lk.apply_lora(big[2], out_b, a, b, info_b, offs, backend="cuda"))
+    names = launched_sgmv_kernels(lambda: lk.apply_lora(big[2], out_b, a, b, info_b, offs, backend="cuda"))
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
         assert any("expand_tall" in k for k in names), names
     assert torch.equal(out_b[mine], out_s)
