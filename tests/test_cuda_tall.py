@@ -1,7 +1,8 @@
-"""The cuda backend's tall expand (csrc/kernels/sgmv_expand_tall.cuh: items of four work-list tiles), which runs from
-1024 rows of out on: the same bits as the 16-row kernel for every row (batch invariance across the switch), right
-against float64, rows without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool
-rank and several rank slabs all occur here."""
+"""The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): the tall expand (items of four work-list
+tiles) from 1024 rows of out on, the streaming warps (R <= 16) from 2 rows, the 16-row kernel at one row and beyond
+R = 16. Every row has the same bits under each (batch invariance across the switches), right against float64, rows
+without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool rank and several rank
+slabs all occur here."""
 
 from __future__ import annotations
 
@@ -90,6 +91,39 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
     assert torch.equal(out_s[no_lora], base[no_lora]) and not torch.equal(out_s[~no_lora], base[~no_lora])
     ref = _reference_apply(big[2], big[3], a, b, info_b, offs)
     assert rel_err(out_b, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_row_has_the_batch_bits(dtype):
+    """A row alone (the 16-row kernel) and inside the 287 rows of SEGMENTS (r16: the streaming warps): torch.equal,
+    for apply_lora and sgmv_expand, at each of its slots' ranks."""
+    R, widths, ranks = SHAPES["qkv_r16"]
+    g = torch.Generator().manual_seed(31)
+    in_dim = 256
+    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
+    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    seg_lens, slots = SEGMENTS
+    n = sum(seg_lens)
+    x = torch.randn(n, in_dim, generator=g).to(dtype).cuda()
+    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
+    v = torch.randn(n, len(widths) * R, generator=g).cuda()
+    info = _info(seg_lens, slots, ranks, scal)
+    out, e = base.clone(), base.clone()
+    names = launched_sgmv_kernels(lambda: lk.apply_lora(x, out, a, b, info, offs, backend="cuda"))
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
+        assert any("expand_stream" in k for k in names), names
+    lk.sgmv_expand(v, b, info, offs, e, backend="cuda")
+    starts = np.concatenate([[0], np.cumsum(seg_lens)])
+    for k, slot in enumerate(slots):
+        if seg_lens[k] == 0 or slot < 0:
+            continue
+        i = int(starts[k] + seg_lens[k] // 2)
+        one = _info([1], [slot], ranks, scal)
+        o1, e1 = base[i:i + 1].clone(), base[i:i + 1].clone()
+        lk.apply_lora(x[i:i + 1], o1, a, b, one, offs, backend="cuda")
+        lk.sgmv_expand(v[i:i + 1], b, one, offs, e1, backend="cuda")
+        assert torch.equal(o1, out[i:i + 1]) and torch.equal(e1, e[i:i + 1]), (k, slot)
+        assert not torch.equal(o1, base[i:i + 1])
 
 
 def _reference_apply(x, base, a, b, info, offs):

@@ -158,17 +158,12 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
   const bool aligned = aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()) &&
                        reinterpret_cast<uintptr_t>(v) % (4 * v_elem) == 0;
   return plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
-                     static_cast<int>(offs.size()) - 1, aligned);
+                     static_cast<int>(offs.size()) - 1, aligned, out.size(0));
 }
 
-// run_expand with the kernel and grid for out's rows: the 64-row kernel from kTallExpandRows rows on (tensor-core
-// plans only; the same bits as the 16-row kernel); else the 16-row kernel.
 void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
                    const ExpandArgs& p, const ExpandPlan& plan, int64_t max_tiles) {
-  const bool tall = plan.mma && out.size(0) >= kTallExpandRows;
-  const LaunchCfg cfg = tall ? make_cfg(cdiv(max_tiles, kTallTiles) * plan.n_tiles, kTallCtasPerSm)
-                             : make_cfg(max_tiles * plan.n_tiles, plan.ctas_per_sm);
-  run_expand(v, v_dtype, lora_b, out, p, plan, cfg, tall);
+  run_expand(v, v_dtype, lora_b, out, p, plan, make_cfg(expand_items_upper(plan, max_tiles), plan.ctas_per_sm));
 }
 
 // The one-launch path where its limits hold and the device runs it (sgmv_plan.h: fused_fits); false otherwise.

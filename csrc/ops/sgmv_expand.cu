@@ -7,7 +7,7 @@
 namespace lora_kernels {
 
 void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
-                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg, bool tall) {
+                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg) {
   const bool ok = dispatch_dtype_v(out.scalar_type(), v_dtype, [&](auto t, auto vt) {
     using T = decltype(t);
     using V = decltype(vt);
@@ -15,16 +15,21 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
     const auto* bp = static_cast<const T*>(lora_b.data_ptr());
     auto* op = static_cast<T*>(out.data_ptr());
     if constexpr (sizeof(T) == 2) {
-      if (plan.mma && tall) {
-        C10_CUDA_CHECK((launch_expand_tall<T, V>(vp, bp, op, p, cfg)));
-        return;
-      }
-      if (plan.mma) {
-        C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg)));
-        return;
+      switch (plan.kernel) {
+        case ExpandKernel::tall:
+          C10_CUDA_CHECK((launch_expand_tall<T, V>(vp, bp, op, p, cfg)));
+          return;
+        case ExpandKernel::stream:
+          C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg)));
+          return;
+        case ExpandKernel::mma:
+          C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg)));
+          return;
+        case ExpandKernel::simt:
+          break;
       }
     }
-    TORCH_CHECK(!plan.mma, "sgmv_expand: plan of a 16-bit kernel for ", out.scalar_type());
+    TORCH_CHECK(plan.kernel == ExpandKernel::simt, "sgmv_expand: plan of a 16-bit kernel for ", out.scalar_type());
     C10_CUDA_CHECK((launch_expand_simt<T, V>(vp, bp, op, p, cfg)));
   });
   TORCH_CHECK(ok, "sgmv_expand: no kernel for dtype=", out.scalar_type(), " v dtype=", v_dtype, " max_rank=", p.R,

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/sgmv_expand_mma.cuh"
+#include "kernels/sgmv_expand_stream.cuh"
 #include "kernels/sgmv_expand_tall.cuh"
 #include "kernels/sgmv_fused_cluster.cuh"
 #include "kernels/sgmv_shrink_mma.cuh"
@@ -25,10 +26,13 @@ inline int64_t max_splits(int64_t N) { return N <= 16 ? 32 : (N <= 32 ? 16 : 8);
 // sgmv_apply sums the split-K planes in a kernel of its own (instead of in every column tile of the
 // expand) from this many rows of x on. The same sums in the same order either way: no bit changes.
 constexpr int64_t kReduceFirstRows = 1024;
-// The tensor-core expand runs 64-row items (kernels/sgmv_expand_tall.cuh) from this many rows of out on: the 16-row
-// kernel is issue-bound there. Both compute a row's bits alike, so the choice by rows keeps batch invariance. Its
-// grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go overlap one item's stores with the
-// next one's loads; a persistent double-buffered form measured slower, and 256 CTAs 2% slower than 64).
+// The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
+// choice keeps batch invariance): from kTallExpandRows rows on, 64-row items (kernels/sgmv_expand_tall.cuh: the
+// 16-row kernel is issue-bound there); below, from 2 rows and up to R = kStreamMaxR, warps streaming 16-row items
+// (kernels/sgmv_expand_stream.cuh); else the 16-row kernel (kernels/sgmv_expand_mma.cuh). The header of each says
+// where it measured faster. The tall grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go
+// overlap one item's stores with the next one's loads; a persistent double-buffered form measured slower, and 256
+// CTAs 2% slower than 64).
 constexpr int64_t kTallExpandRows = 1024;
 constexpr int kTallCtasPerSm = 64;
 
@@ -64,28 +68,45 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned) {
   return s;
 }
 
+enum class ExpandKernel { simt, mma, stream, tall };
+
 struct ExpandPlan {
-  bool mma;
+  ExpandKernel kernel;
+  int cols;                        // output columns of an item's column tile
   int n_tiles;                     // column tiles over all slices
   int tile_start[kMaxSlices + 1];  // first column tile of each slice
   int ctas_per_sm;
 };
 
-// aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements.
-inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int num_slices, bool aligned) {
+// aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements; rows: rows of out.
+inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int num_slices, bool aligned,
+                              int64_t rows) {
   ExpandPlan e{};
   bool offsets8 = true;
   for (int i = 0; i <= num_slices; ++i) offsets8 = offsets8 && offsets[i] % 8 == 0;
-  e.mma = elem == 2 && R % 8 == 0 && offsets8 && aligned;
-  const int bn = e.mma ? kExpandBN : kSimtExpandBN;
+  const bool mma = elem == 2 && R % 8 == 0 && offsets8 && aligned;
+  e.kernel = !mma ? ExpandKernel::simt
+                  : (rows >= kTallExpandRows ? ExpandKernel::tall
+                                             : (R <= kStreamMaxR && rows >= 2 ? ExpandKernel::stream : ExpandKernel::mma));
+  e.cols = e.kernel == ExpandKernel::simt ? kSimtExpandBN
+                                          : (e.kernel == ExpandKernel::stream ? stream_cols(R) : kExpandBN);
+  e.ctas_per_sm = e.kernel == ExpandKernel::tall ? kTallCtasPerSm
+                                                 : (e.kernel == ExpandKernel::stream ? kStreamCtasPerSm : 4);
   e.tile_start[0] = 0;
   for (int i = 0; i < kMaxSlices; ++i) {
     const int64_t width = i < num_slices ? offsets[i + 1] - offsets[i] : 0;
-    e.tile_start[i + 1] = e.tile_start[i] + static_cast<int>(cdiv(width, bn));
+    e.tile_start[i + 1] = e.tile_start[i] + static_cast<int>(cdiv(width, e.cols));
   }
   e.n_tiles = e.tile_start[num_slices];
-  e.ctas_per_sm = 4;
   return e;
+}
+
+// Most CTAs the expand's grid can use for max_tiles work-list tiles: one per item (a tall item takes kTallTiles
+// tiles; a stream CTA takes kStreamWarps items at once).
+inline int64_t expand_items_upper(const ExpandPlan& e, int64_t max_tiles) {
+  if (e.kernel == ExpandKernel::tall) return cdiv(max_tiles, kTallTiles) * e.n_tiles;
+  if (e.kernel == ExpandKernel::stream) return cdiv(max_tiles * e.n_tiles, kStreamWarps);
+  return max_tiles * e.n_tiles;
 }
 
 // sgmv_apply's one-launch path (kernels/sgmv_fused_cluster.cuh; opt-in, LORA_KERNELS_CUDA_FUSED=1, sm_90+) up to
@@ -101,7 +122,7 @@ constexpr int64_t kFusedMaxRowsLinear = 64;
 // Whether the one-launch kernel covers these plans: both tensor-core paths, R a multiple of 16 up to
 // kFusedMaxR (one rank slab), and the partial blocks of an owner CTA within its shared memory.
 inline bool fused_fits(const ShrinkPlan& s, const ExpandPlan& e, int64_t R, int64_t N) {
-  if (!s.mma || !e.mma || R % 16 != 0 || R > kFusedMaxR || N % 16 != 0) return false;
+  if (!s.mma || e.kernel == ExpandKernel::simt || R % 16 != 0 || R > kFusedMaxR || N % 16 != 0) return false;
   return s.splits * fused_groups_per_owner(static_cast<int>(N)) <= kFusedMaxParts;
 }
 

@@ -12,9 +12,9 @@ void run_shrink(const at::Tensor& x, const at::Tensor& lora_a, void* v, at::Scal
                 const ShrinkArgs& p, const ShrinkPlan& plan, const LaunchCfg& cfg);
 // v = the planes of ws summed in plane order.
 void run_split_reduce(const float* ws, void* v, at::ScalarType v_dtype, const ShrinkArgs& p, const LaunchCfg& cfg);
-// out += expand(sum of p.splits planes of v); tall: the 64-row kernel (tensor-core plans only; see expand_launch).
+// out += expand(sum of p.splits planes of v), with the plan's kernel.
 void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
-                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg, bool tall);
+                const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg);
 
 // out += LoRA(x) in one launch (kernels/sgmv_fused_cluster.cuh). Returns false, having launched nothing, where
 // the device or this build cannot run it (no sm_90 code, compute capability < 9, no cluster fits).
