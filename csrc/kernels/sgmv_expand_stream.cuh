@@ -3,13 +3,15 @@
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
 // A warp item is one work-list tile (16 rows) x kCols = 8 NT columns of one slice, whose B block is 2 KB (NT x KS = 8,
 // KS = k16 steps of R). Each warp takes a contiguous run of items (those of one tile follow each other, so v is
-// summed once per tile and slice) and keeps kStreamStages - 1 items' B block and out rows in flight (cp.async into
-// its own shared memory) while it computes one; v's loads overlap them; no block barrier. Why: the 16-row kernel
-// runs one 128-column item per 256-thread CTA at a time, its loads, MMAs and stores one after the other behind four
+// summed once per tile and slice) and keeps the next item's B block and out rows in flight (cp.async into its own
+// shared memory) while it computes one; v's loads overlap them; no block barrier. Why: the 16-row kernel runs one
+// 128-column item per 256-thread CTA at a time, its loads, MMAs and stores one after the other behind four
 // barriers, and sums v's split planes again for every item; ncu found its gate_up expand at decode 64x1 barrier-
-// and latency-bound (50.6 us, DRAM 16%). Layer µs on an H100 (bench_kernels, 16-row kernel -> this one): r16 64x1
-// distinct 204 -> 117, 64x1 uniform sorted 90.9 -> 64.5, 256x1 distinct 823 -> 410, 16x1 uniform sorted 52.8 ->
-// 40.1. Where the 16-row kernel stays: one row (r16 bs1 21.6-22.0 against 23.0: its 256 threads per item), and
+// and latency-bound (50.6 us, DRAM 16%); this kernel's, 25.2 us (occupancy 16%, latency-bound) with three stages
+// and three CTAs per SM. Layer µs on an H100 (bench_kernels, 16-row kernel -> three stages, 3 CTAs per SM -> two
+// stages, 4 CTAs per SM: more warps measured better than deeper stages): r16 64x1 distinct 204 -> 116 -> 111, 64x1
+// uniform sorted 90.9 -> 64.2 -> 63.0, 256x1 distinct 823 -> 409 -> 386, 16x1 distinct 56.2 -> 42.9 -> 42.1. Where
+// the 16-row kernel stays: one row (r16 bs1 21.6-22.0 against 23.0: its 256 threads per item), and
 // R of 32 to 64 (items of 32 / 16 columns: r64 bs1 28.5 against 32.4, bs16 uniform 77.3 against 85.2, bs64
 // uniform 137 against 153), as at identical adapters (full tiles: every warp sums the whole tile's v planes; r16
 // 16x1 22.8 against 29.9).
@@ -27,7 +29,7 @@
 
 namespace lora_kernels {
 
-constexpr int kStreamWarps = 4, kStreamThreads = 32 * kStreamWarps, kStreamStages = 3, kStreamMaxR = 16;
+constexpr int kStreamWarps = 4, kStreamThreads = 32 * kStreamWarps, kStreamStages = 2, kStreamMaxR = 16;
 
 // K16 steps for the pool rank R (1, 2 or 4) and the n8 tiles of a warp item (8 / KS).
 constexpr int stream_ks(int64_t R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
@@ -59,8 +61,8 @@ struct alignas(16) StreamWarpSmem {
 
 template <int KS>
 constexpr int stream_smem_bytes() { return kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t, KS>)); }
-// CTAs per SM: as many as the shared memory holds (the registers are held to them: 170 a thread).
-constexpr int kStreamCtasPerSm = 3;
+// CTAs per SM: as many as the shared memory holds (the registers are held to them: 128 a thread).
+constexpr int kStreamCtasPerSm = 4;
 static_assert(kStreamCtasPerSm * (stream_smem_bytes<1>() + 1024) <= 227 * 1024, "the CTAs fit the shared memory");
 
 // Item `item` (tile item / n_tiles, column tile item % n_tiles) and, in lanes 0..15, the physical row of tile row
