@@ -31,7 +31,8 @@ namespace lora_kernels {
 
 constexpr int kStreamWarps = 4, kStreamThreads = 32 * kStreamWarps, kStreamStages = 2, kStreamMaxR = 16;
 
-// K16 steps for the pool rank R (1, 2 or 4) and the n8 tiles of a warp item (8 / KS).
+// K16 steps for the pool rank R and the n8 tiles of a warp item (8 / KS). Only KS = 1 launches (R <= kStreamMaxR);
+// KS = 2 and 4 are the forms measured slower at R 32-64 (header), kept as the template the item shapes derive from.
 constexpr int stream_ks(int64_t R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
 constexpr int stream_cols(int64_t R) { return 8 * (8 / stream_ks(R)); }
 
