@@ -1,8 +1,8 @@
 // The tensor-core expand for decode batches (2 to kTallExpandRows - 1 rows of out, pool rank R <= kStreamMaxR): the
 // same sums as sgmv_expand_mma.cuh, streamed by independent warps.
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
-// A warp item is one work-list tile (16 rows) x kCols = 8 NT columns of one slice, whose B block is 2 KB (NT x KS = 8,
-// KS = k16 steps of R). Each warp takes a contiguous run of items (those of one tile follow each other, so v is
+// A warp item is one work-list tile (16 rows) x kStreamCols = 64 columns of one slice (one k16 step of B: 2 KB).
+// Each warp takes a contiguous run of items (those of one tile follow each other, so v is
 // summed once per tile and slice) and keeps the next item's B block and out rows in flight (cp.async into its own
 // shared memory) while it computes one; v's loads overlap them; no block barrier. Why: the 16-row kernel runs one
 // 128-column item per 256-thread CTA at a time, its loads, MMAs and stores one after the other behind four
@@ -30,180 +30,154 @@
 namespace lora_kernels {
 
 constexpr int kStreamWarps = 4, kStreamThreads = 32 * kStreamWarps, kStreamStages = 2, kStreamMaxR = 16;
+constexpr int kStreamNT = 8, kStreamCols = 8 * kStreamNT;  // n8 tiles and columns of a warp item (one k16 step)
 
-// K16 steps for the pool rank R and the n8 tiles of a warp item (8 / KS). Only KS = 1 launches (R <= kStreamMaxR);
-// KS = 2 and 4 are the forms measured slower at R 32-64 (header), kept as the template the item shapes derive from.
-constexpr int stream_ks(int64_t R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
-constexpr int stream_cols(int64_t R) { return 8 * (8 / stream_ks(R)); }
-
-template <int KS>
-struct StreamShape {
-  static constexpr int kNT = 8 / KS, kCols = 8 * kNT;
-  static constexpr int kBLd = 16 * KS + 8;  // B row: the k16 steps + 8 pad elements (conflict-free fragment reads)
-  static constexpr int kOutLd = kCols + 8;  // out row: the item's columns + 8 pad elements (likewise)
-  static constexpr int kBElems = kCols * kBLd, kOutElems = kTileM * kOutLd, kVElems = kTileM * kBLd;
-};
+// Unpadded shared tiles with XOR-swizzled 16-byte chunks, so that the fragment reads (8 rows x 4 words a warp) hit
+// 32 distinct banks. B and v rows are one k16 step (2 chunks, 32 bytes): chunk c of row r at c ^ ((r / 4) & 1).
+// Out rows are the item's 64 columns (8 chunks): chunk c of row r at c ^ (r % 8).
+__device__ __forceinline__ int stream_k16(int r, int c) { return r * 16 + ((c ^ ((r >> 2) & 1)) << 3); }
+__device__ __forceinline__ int stream_o64(int r, int c) { return r * kStreamCols + ((c ^ (r & 7)) << 3); }
 
 struct StreamItem {
   int slot, rank;  // slot -1: nothing to do (no tile, slot -1 or rank 0)
   int tile, slice, n0, n_end;
 };
 
-// One warp's shared memory: per stage the item, its rows, its B block and its out rows.
-template <typename T, int KS>
+// One warp's shared memory: per stage the item, its rows, its B block and its out rows; v of the current tile.
+template <typename T>
 struct alignas(16) StreamWarpSmem {
-  using S = StreamShape<KS>;
-  T b[kStreamStages][S::kBElems];
-  T out[kStreamStages][S::kOutElems];
-  T vs[S::kVElems];  // v of the current tile and slice as T (the B row layout: conflict-free fragment reads)
+  T b[kStreamStages][kStreamCols * 16];
+  T out[kStreamStages][kTileM * kStreamCols];
+  T vs[kTileM * 16];
   StreamItem item[kStreamStages];
   int rows[kStreamStages][kTileM];
 };
 
-template <int KS>
-constexpr int stream_smem_bytes() { return kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t, KS>)); }
-// CTAs per SM: as many as the shared memory holds (the registers are held to them: 128 a thread).
-constexpr int kStreamCtasPerSm = 4;
-static_assert(kStreamCtasPerSm * (stream_smem_bytes<1>() + 1024) <= 227 * 1024, "the CTAs fit the shared memory");
+constexpr int kStreamSmemBytes = kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t>));
+// CTAs per SM: the registers are held to them (102 a thread); the shared memory holds them.
+constexpr int kStreamCtasPerSm = 5;
+static_assert(kStreamCtasPerSm * (kStreamSmemBytes + 1024) <= 227 * 1024, "the CTAs fit the shared memory");
 
 // Item `item` (tile item / n_tiles, column tile item % n_tiles) and, in lanes 0..15, the physical row of tile row
 // `lane` (-1 where none).
-template <int KS>
 __device__ __forceinline__ StreamItem stream_item(const ExpandArgs& p, int item, int lane, int& row) {
   const int ct = item % p.n_tiles, sl = slice_of(p, ct);
   const TileInfo ti = load_tile(p.w, item / p.n_tiles, p.R);
   row = ti.slot >= 0 && lane < kTileM ? tile_row(p.w, ti, lane) : -1;
   return StreamItem{ti.slot, ti.rank, item / p.n_tiles, sl,
-                    pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * StreamShape<KS>::kCols,
-                    pick(p.offsets, sl + 1)};
+                    pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kStreamCols, pick(p.offsets, sl + 1)};
 }
 
-// Stage s <- the item's B block (the 16-byte chunks of the k16 steps under the rank; zero-filled past the rank and
-// the slice), with the item and its rows. No kernel writes the weights: this may run before griddep_wait.
-template <typename T, int KS>
-__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
+// Stage s <- the item's B block (its two 16-byte chunks a row; zero-filled past the rank and the slice), with the
+// item and its rows. No kernel writes the weights: this may run before griddep_wait.
+template <typename T>
+__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T>& ws, int s, const T* b, const ExpandArgs& p,
                                                const StreamItem& it, int row, int lane) {
-  using S = StreamShape<KS>;
   if (lane == 0) ws.item[s] = it;
   if (lane < kTileM) ws.rows[s][lane] = row;
   if (it.slot < 0) return;
-  const int chunks = 2 * ((it.rank + 15) / 16);
 #pragma unroll
-  for (int i = 0; i < S::kCols * 2 * KS / 32; ++i) {
-    const int idx = lane + 32 * i, r = idx / (2 * KS), c = idx % (2 * KS);
-    if (c >= chunks) continue;
+  for (int i = 0; i < kStreamCols * 2 / 32; ++i) {
+    const int idx = lane + 32 * i, r = idx >> 1, c = idx & 1;
     const int n = it.n0 + r, j = 8 * c;
     const int bytes = n < it.n_end ? max(0, min(16, (it.rank - j) * 2)) : 0;
-    cp_async16(ws.b[s] + r * S::kBLd + j, bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b,
+    cp_async16(ws.b[s] + stream_k16(r, c), bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b,
                bytes);
   }
 }
 
 // Stage s <- the item's out rows (16-byte chunks of the rows that exist, within the slice). After griddep_wait.
-template <typename T, int KS>
-__device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T, KS>& ws, int s, const T* out, const ExpandArgs& p,
+template <typename T>
+__device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T>& ws, int s, const T* out, const ExpandArgs& p,
                                                  const StreamItem& it, int row, int lane) {
-  using S = StreamShape<KS>;
   if (it.slot < 0) return;  // warp-uniform
 #pragma unroll
-  for (int i = 0; i < kTileM * S::kNT / 32; ++i) {
-    const int idx = lane + 32 * i, r = idx / S::kNT, c = idx % S::kNT;
+  for (int i = 0; i < kTileM * kStreamNT / 32; ++i) {
+    const int idx = lane + 32 * i, r = idx / kStreamNT, c = idx % kStreamNT;
     const int rr = __shfl_sync(0xffffffffu, row, r);
     if (rr >= 0 && it.n0 + 8 * c < it.n_end)
-      cp_async16(ws.out[s] + r * S::kOutLd + 8 * c, out + static_cast<int64_t>(rr) * p.out_total + it.n0 + 8 * c, 16);
+      cp_async16(ws.out[s] + stream_o64(r, c), out + static_cast<int64_t>(rr) * p.out_total + it.n0 + 8 * c, 16);
   }
 }
 
 // The warp's A fragments of v for the item's tile and slice: v summed over its planes in plane order from 0, as T,
-// 0 past the rank and for rows without LoRA, staged in ws.vs, then a[ks][q] = rows g (q even) / g + 8 (q odd) at
-// k = 16 ks + 8 (q / 2) + 2 (lane % 4) and the next k (the m16n8k16 layout). Lane i of pass 0 takes quad i of the
-// tile's first rows, so a tile of few rows takes one pass (batches of 8 planes); a single plane (v summed by an
-// earlier kernel, or v itself) is loaded in one batch for every pass.
-template <typename T, typename V, int KS>
-__device__ __forceinline__ void stream_load_v(uint32_t (&a)[KS][4], StreamWarpSmem<T, KS>& ws, int s, const V* v,
+// 0 past the rank and for rows without LoRA, staged in ws.vs, then a[q] = row g (q even) / g + 8 (q odd) at
+// k = 8 (q / 2) + 2 (lane % 4) and the next k (the m16n8k16 layout). Lane i of pass 0 takes quad i % 4 of row i / 4,
+// so a tile of up to 8 rows takes one pass (batches of 8 planes); a single plane (v summed by an earlier kernel, or
+// v itself) is loaded in one batch for both passes.
+template <typename T, typename V>
+__device__ __forceinline__ void stream_load_v(uint32_t (&a)[4], StreamWarpSmem<T>& ws, int s, const V* v,
                                               const ExpandArgs& p, const StreamItem& it, int lane) {
-  using S = StreamShape<KS>;
-  constexpr int kQuads = 4 * KS, kPasses = kTileM * kQuads / 32;
-  float f[kPasses][4];
-  const V* src[kPasses];
-  bool live[kPasses];
+  float f[2][4];
+  const V* src[2];
+  bool live[2];
 #pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int idx = lane + 32 * i, r = idx / kQuads, j0 = 4 * (idx % kQuads), row = ws.rows[s][r];
+  for (int i = 0; i < 2; ++i) {
+    const int r = (lane >> 2) + 8 * i, j0 = 4 * (lane & 3), row = ws.rows[s][r];
     live[i] = row >= 0 && j0 < it.rank;
     src[i] = v + static_cast<int64_t>(max(row, 0)) * p.N + it.slice * p.R + j0;
     f[i][0] = f[i][1] = f[i][2] = f[i][3] = 0.f;
   }
   if (p.splits == 1) {
-    Pack<V, 4> pk[kPasses];
+    Pack<V, 4> pk[2];
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i)
+    for (int i = 0; i < 2; ++i)
       if (live[i]) pk[i] = load_cg<V, 4>(src[i]);
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) f[i][e] = live[i] ? 0.f + to_float(pk[i].v[e]) : 0.f;
   } else {
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i)
+    for (int i = 0; i < 2; ++i)
       if (live[i]) sum_planes4(f[i], src[i], p.split_stride, p.splits);
   }
 #pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int idx = lane + 32 * i, r = idx / kQuads, j0 = 4 * (idx % kQuads);
+  for (int i = 0; i < 2; ++i) {
+    const int r = (lane >> 2) + 8 * i, q = lane & 3;
     Pack<T, 4> t;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(j0 + e < it.rank ? f[i][e] : 0.f);
-    *reinterpret_cast<Pack<T, 4>*>(ws.vs + r * S::kBLd + j0) = t;
+    for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(4 * q + e < it.rank ? f[i][e] : 0.f);
+    *reinterpret_cast<Pack<T, 4>*>(ws.vs + stream_k16(r, q >> 1) + 4 * (q & 1)) = t;
   }
   __syncwarp();
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      a[ks][q] = *reinterpret_cast<const uint32_t*>(ws.vs + (g + 8 * (q & 1)) * S::kBLd + 16 * ks + 8 * (q >> 1) + 2 * t);
+  for (int q = 0; q < 4; ++q)
+    a[q] = *reinterpret_cast<const uint32_t*>(ws.vs + stream_k16(g + 8 * (q & 1), q >> 1) + 2 * t);
 }
 
 // A lane's v fragments and the (tile, slice) they belong to.
-template <int KS>
 struct StreamA {
   int tile = -1, slice = -1;
-  uint32_t frag[KS][4];
+  uint32_t frag[4];
 };
 
-// Item of stage s (its loads complete, a.frag its v): the MMAs over its k16 steps, out rows += scale * acc in
-// shared memory, 16-byte stores.
-template <typename T, int KS>
-__device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s, T* out, const ExpandArgs& p,
-                                               const StreamA<KS>& a, int lane) {
-  using S = StreamShape<KS>;
+// Item of stage s (its loads complete, a.frag its v): the MMAs, out rows += scale * acc in shared memory, 16-byte
+// stores.
+template <typename T>
+__device__ __forceinline__ void stream_compute(StreamWarpSmem<T>& ws, int s, T* out, const ExpandArgs& p,
+                                               const StreamA& a, int lane) {
   const StreamItem it = ws.item[s];
   if (it.slot < 0) return;
   const int g = lane >> 2, t = lane & 3;
   const int row_lo = ws.rows[s][g], row_hi = ws.rows[s][g + 8];
-  WarpAcc<1, S::kNT> acc;
+  WarpAcc<1, kStreamNT> acc;
   zero_acc(acc);
   const T* bs = ws.b[s];
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    if (16 * ks >= it.rank) break;
-#pragma unroll
-    for (int nt = 0; nt < S::kNT; ++nt) {
-      const T* bp = bs + (8 * nt + g) * S::kBLd + 16 * ks + 2 * t;
-      mma_16816<T>(acc[0][nt], a.frag[ks], *reinterpret_cast<const uint32_t*>(bp),
-                   *reinterpret_cast<const uint32_t*>(bp + 8));
-    }
-  }
+  for (int nt = 0; nt < kStreamNT; ++nt)
+    mma_16816<T>(acc[0][nt], a.frag, *reinterpret_cast<const uint32_t*>(bs + stream_k16(8 * nt + g, 0) + 2 * t),
+                 *reinterpret_cast<const uint32_t*>(bs + stream_k16(8 * nt + g, 1) + 2 * t));
   T* os = ws.out[s];
   const float scale = p.scalings[it.slot];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if ((h ? row_hi : row_lo) < 0) continue;
 #pragma unroll
-    for (int nt = 0; nt < S::kNT; ++nt) {
+    for (int nt = 0; nt < kStreamNT; ++nt) {
       if (it.n0 + 8 * nt >= it.n_end) break;  // the slice ends inside the item
-      T* o = os + (g + 8 * h) * S::kOutLd + 8 * nt + 2 * t;
+      T* o = os + stream_o64(g + 8 * h, nt) + 2 * t;
       const Pack<T, 2> old = *reinterpret_cast<const Pack<T, 2>*>(o);
       store_pair(o, expand_out(to_float(old.v[0]), scale, acc[0][nt][2 * h]),
                  expand_out(to_float(old.v[1]), scale, acc[0][nt][2 * h + 1]));
@@ -211,20 +185,20 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s,
   }
   __syncwarp();
 #pragma unroll
-  for (int i = 0; i < kTileM * S::kNT / 32; ++i) {
-    const int idx = lane + 32 * i, r = idx / S::kNT, c = idx % S::kNT, row = ws.rows[s][r];
+  for (int i = 0; i < kTileM * kStreamNT / 32; ++i) {
+    const int idx = lane + 32 * i, r = idx / kStreamNT, c = idx % kStreamNT, row = ws.rows[s][r];
     if (row >= 0 && it.n0 + 8 * c < it.n_end)
       *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * p.out_total + it.n0 + 8 * c) =
-          *reinterpret_cast<const uint4*>(os + r * S::kOutLd + 8 * c);
+          *reinterpret_cast<const uint4*>(os + stream_o64(r, c));
   }
 }
 
-template <typename T, typename V, int KS>
+template <typename T, typename V>
 __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
     sgmv_expand_stream_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  StreamWarpSmem<T, KS>& ws = reinterpret_cast<StreamWarpSmem<T, KS>*>(smem_raw)[warp];
+  StreamWarpSmem<T>& ws = reinterpret_cast<StreamWarpSmem<T>*>(smem_raw)[warp];
   griddep_launch_dependents();
   const int total = num_tiles(p.w) * p.n_tiles, warps = gridDim.x * kStreamWarps;
   const int per = (total + warps - 1) / warps;
@@ -232,19 +206,19 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
   int row;
   // The first stages' B blocks before griddep_wait, their out rows after it: groups B0 .. B(S-2), then one of outs.
   for (int s = 0; s + 1 < kStreamStages; ++s) {
-    if (i0 + s < i1) stream_issue_b(ws, s, b, p, stream_item<KS>(p, i0 + s, lane, row), row, lane);
+    if (i0 + s < i1) stream_issue_b(ws, s, b, p, stream_item(p, i0 + s, lane, row), row, lane);
     cp_async_commit();
   }
   griddep_wait();  // v and out are written by earlier kernels; every CTA waits (see sgmv_expand_mma_kernel)
   for (int s = 0; s + 1 < kStreamStages; ++s)
-    if (i0 + s < i1) stream_issue_out(ws, s, out, p, stream_item<KS>(p, i0 + s, lane, row), row, lane);
+    if (i0 + s < i1) stream_issue_out(ws, s, out, p, stream_item(p, i0 + s, lane, row), row, lane);
   cp_async_commit();
   __syncwarp();  // the stages' items and rows
-  StreamA<KS> a;
+  StreamA a;
   for (int k = 0; i0 + k < i1; ++k) {
     const int next = i0 + k + kStreamStages - 1, s_next = (k + kStreamStages - 1) % kStreamStages;
     if (next < i1) {
-      const StreamItem it = stream_item<KS>(p, next, lane, row);
+      const StreamItem it = stream_item(p, next, lane, row);
       stream_issue_b(ws, s_next, b, p, it, row, lane);
       stream_issue_out(ws, s_next, out, p, it, row, lane);
     }
@@ -252,7 +226,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
     const int s = k % kStreamStages;
     const StreamItem it = ws.item[s];
     if (it.slot >= 0 && (it.tile != a.tile || it.slice != a.slice)) {  // v's loads overlap the stage's
-      stream_load_v<T, V, KS>(a.frag, ws, s, v, p, it, lane);
+      stream_load_v<T, V>(a.frag, ws, s, v, p, it, lane);
       a.tile = it.tile;
       a.slice = it.slice;
     }
@@ -261,17 +235,15 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
     else
       cp_async_wait<kStreamStages - 1>();  // item k's group
     __syncwarp();
-    stream_compute<T, KS>(ws, s, out, p, a, lane);
+    stream_compute<T>(ws, s, out, p, a, lane);
     __syncwarp();  // the stage is refilled next
   }
 }
 
 template <typename T, typename V>
 cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  constexpr int KS = stream_ks(kStreamMaxR);
-  static_assert(sizeof(StreamWarpSmem<T, KS>) == sizeof(StreamWarpSmem<uint16_t, KS>), "16-bit T");
-  return launch_kernel<sgmv_expand_stream_kernel<T, V, KS>>(cfg, kStreamThreads, stream_smem_bytes<KS>(), v, b, out,
-                                                            p);
+  static_assert(sizeof(StreamWarpSmem<T>) == sizeof(StreamWarpSmem<uint16_t>), "16-bit T");
+  return launch_kernel<sgmv_expand_stream_kernel<T, V>>(cfg, kStreamThreads, kStreamSmemBytes, v, b, out, p);
 }
 
 }  // namespace lora_kernels

@@ -89,7 +89,7 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
                   : (rows >= kTallExpandRows ? ExpandKernel::tall
                                              : (R <= kStreamMaxR && rows >= 2 ? ExpandKernel::stream : ExpandKernel::mma));
   e.cols = e.kernel == ExpandKernel::simt ? kSimtExpandBN
-                                          : (e.kernel == ExpandKernel::stream ? stream_cols(R) : kExpandBN);
+                                          : (e.kernel == ExpandKernel::stream ? kStreamCols : kExpandBN);
   e.ctas_per_sm = e.kernel == ExpandKernel::tall ? kTallCtasPerSm
                                                  : (e.kernel == ExpandKernel::stream ? kStreamCtasPerSm : 4);
   e.tile_start[0] = 0;
