@@ -2,19 +2,20 @@
 // same sums as sgmv_expand_mma.cuh, streamed by independent warps.
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
 // A warp item is one work-list tile (16 rows) x kStreamCols = 64 columns of one slice (one k16 step of B: 2 KB).
-// Each warp takes a contiguous run of items (those of one tile follow each other, so v is
-// summed once per tile and slice) and keeps the next item's B block and out rows in flight (cp.async into its own
-// shared memory) while it computes one; v's loads overlap them; no block barrier. Why: the 16-row kernel runs one
-// 128-column item per 256-thread CTA at a time, its loads, MMAs and stores one after the other behind four
-// barriers, and sums v's split planes again for every item; ncu found its gate_up expand at decode 64x1 barrier-
-// and latency-bound (50.6 us, DRAM 16%); this kernel's, 25.2 us (occupancy 16%, latency-bound) with three stages
-// and three CTAs per SM. Layer µs on an H100 (bench_kernels, 16-row kernel -> three stages, 3 CTAs per SM -> two
-// stages, 4 CTAs per SM: more warps measured better than deeper stages): r16 64x1 distinct 204 -> 116 -> 111, 64x1
-// uniform sorted 90.9 -> 64.2 -> 63.0, 256x1 distinct 823 -> 409 -> 386, 16x1 distinct 56.2 -> 42.9 -> 42.1. Where
-// the 16-row kernel stays: one row (r16 bs1 21.6-22.0 against 23.0: its 256 threads per item), and
-// R of 32 to 64 (items of 32 / 16 columns: r64 bs1 28.5 against 32.4, bs16 uniform 77.3 against 85.2, bs64
-// uniform 137 against 153), as at identical adapters (full tiles: every warp sums the whole tile's v planes; r16
-// 16x1 22.8 against 29.9).
+// Each warp takes a contiguous run of items (those of one tile follow each other, so v is summed once per tile and
+// slice) and keeps the next item's B block and out rows in flight (cp.async into its own shared memory) while it
+// computes one; v's loads overlap them; no block barrier. Why: the 16-row kernel runs one 128-column item per
+// 256-thread CTA at a time, its loads, MMAs and stores one after the other behind four barriers, and sums v's split
+// planes again for every item; ncu found its gate_up expand at decode 64x1 barrier- and latency-bound (50.6 us,
+// DRAM 16%); this kernel's first form, 25.2 us (occupancy 16%, latency-bound): more warps per SM then measured
+// better each time. Layer µs on an H100 (bench_kernels; 16-row kernel -> three stages and 3 CTAs per SM with padded
+// tiles -> two stages, 4 CTAs -> swizzled unpadded tiles, 5 CTAs; 6 CTAs measured slower than 5): r16 64x1 distinct
+// 204 -> 116 -> 110 -> 103, 64x1 uniform sorted 90.9 -> 64.2 -> 63.0 -> 58.2, 256x1 distinct 823 -> 409 -> 389 ->
+// 362, 16x1 distinct 56.2 -> 42.9 -> 41.5 -> 40.2. Where the 16-row kernel stays: one row (r16 bs1 21.5-22.0 against
+// 23.0-25.3 for the first forms: its 256 threads per item) and R of 32 to 64 (first forms with items of 32 / 16
+// columns: r64 bs1 32.4 against 28.5, bs16 uniform 85.2 against 77.3, 64x1 uniform 153 against 137). Slower here
+// too: identical adapters (full tiles: every warp sums the whole tile's v planes; r16 16x1 30.5 against 22.8),
+// which rows alone cannot tell apart.
 //
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps (those under the rank) of the same
 // operands (v summed over its planes in plane order from 0, rounded to T, 0 past the rank) with the same fma
