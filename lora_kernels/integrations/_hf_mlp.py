@@ -32,6 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from lora_kernels import backends
 from lora_kernels import ops as _ops
 from lora_kernels.backends.cuda import HAS_CUDA_EXT
 from lora_kernels.batch_info import LoRABatchInfo
@@ -211,7 +212,8 @@ def silu_mul_lora(gu: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, info:
     _ops._check_expand(v, lora_b, info, offsets, gu2d)
     if fused_applies(gu, v, lora_b, info):
         return silu_mul_lora_kernel(gu, v, lora_b, info)
-    _ops.sgmv_expand(v, lora_b, info, offsets, gu2d)
+    # sgmv_expand's backend call without its checks: the arguments passed the same checks above.
+    backends.get(_ops.resolve_backend(None, gu2d.device, info)).sgmv_expand(v, lora_b, info, offsets, gu2d)
     return silu_mul_kernel(gu2d).reshape(*gu.shape[:-1], inter)
 
 
