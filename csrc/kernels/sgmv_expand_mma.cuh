@@ -43,16 +43,29 @@ __device__ __forceinline__ void expand_load_b(T* bs, const T* b, const ExpandArg
   }
 }
 
-// The out tile (rows of the tile, the item's columns) into out_sm, 16 bytes per copy.
-template <typename T>
-__device__ __forceinline__ void expand_load_out(T* out_sm, const T* out, const ExpandArgs& p, const ExpandItem& it,
-                                                const int* rows_sm) {
+// The out tile of M rows (physical rows rows[r], -1: none) x the columns [n0, min(n0 + kExpandBN, n_end)) into
+// out_sm (rows of kExpandOutLd), 16 bytes per copy. The 16-row kernel's tile and the tall kernel's 64-row one.
+template <typename T, int M>
+__device__ __forceinline__ void load_out_tile(T* out_sm, const T* out, int out_total, const int* rows, int n0,
+                                              int n_end) {
 #pragma unroll
-  for (int i = 0; i < (kTileM * kExpandBN / 8) / kExpandThreads; ++i) {
+  for (int i = 0; i < (M * kExpandBN / 8) / kExpandThreads; ++i) {
     const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
-    if (rows_sm[r] >= 0 && it.n0 + c * 8 < it.n_end)
-      cp_async16(out_sm + r * kExpandOutLd + c * 8,
-                 out + static_cast<int64_t>(rows_sm[r]) * p.out_total + it.n0 + c * 8, 16);
+    if (rows[r] >= 0 && n0 + c * 8 < n_end)
+      cp_async16(out_sm + r * kExpandOutLd + c * 8, out + static_cast<int64_t>(rows[r]) * out_total + n0 + c * 8, 16);
+  }
+}
+
+// out_sm back to the same rows and columns, 16-byte stores.
+template <typename T, int M>
+__device__ __forceinline__ void store_out_tile(const T* out_sm, T* out, int out_total, const int* rows, int n0,
+                                               int n_end) {
+#pragma unroll
+  for (int i = 0; i < (M * kExpandBN / 8) / kExpandThreads; ++i) {
+    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
+    if (rows[r] >= 0 && n0 + c * 8 < n_end)
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(rows[r]) * out_total + n0 + c * 8) =
+          *reinterpret_cast<const uint4*>(out_sm + r * kExpandOutLd + c * 8);
   }
 }
 
@@ -92,13 +105,7 @@ __device__ __forceinline__ void expand_epilogue(const TileAcc& acc, T* out_sm, T
     store_pair(o, expand_out(to_float(old.v[0]), scale, lo), expand_out(to_float(old.v[1]), scale, hi));
   });
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < (kTileM * kExpandBN / 8) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
-    if (rows_sm[r] >= 0 && it.n0 + c * 8 < it.n_end)
-      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(rows_sm[r]) * p.out_total + it.n0 + c * 8) =
-          *reinterpret_cast<const uint4*>(out_sm + r * kExpandOutLd + c * 8);
-  }
+  store_out_tile<T, kTileM>(out_sm, out, p.out_total, rows_sm, it.n0, it.n_end);
 }
 
 template <typename T, typename V>
@@ -116,7 +123,7 @@ __device__ __forceinline__ void expand_item_mma(const V* v, const T* b, T* out, 
     cp_async_commit();
     if (kt == 0) {
       wait_once(waited);  // v and out are written by earlier kernels
-      expand_load_out(out_sm, out, p, it, rows_sm);
+      load_out_tile<T, kTileM>(out_sm, out, p.out_total, rows_sm, it.n0, it.n_end);
       cp_async_commit();
     }
     expand_fill_v(vs, v, p, it, rows_sm, kt);

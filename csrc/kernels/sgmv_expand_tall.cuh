@@ -75,18 +75,6 @@ __device__ __forceinline__ void tall_load_b(T* bs, const T* b, const ExpandArgs&
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void tall_load_out(T* out_sm, const T* out, const ExpandArgs& p, const int* rows, int n0,
-                                              int n_end) {
-#pragma unroll
-  for (int i = 0; i < (kTallM * kExpandBN / 8) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
-    if (rows[r] >= 0 && n0 + c * 8 < n_end)
-      cp_async16(out_sm + r * kExpandOutLd + c * 8, out + static_cast<int64_t>(rows[r]) * p.out_total + n0 + c * 8,
-                 16);
-  }
-}
-
 // vs rows of tiles [t_lo, t_hi) = v (planes summed in order) for the slab's first `ksteps` k16 steps, as T, 0 past
 // the rank and for rows outside x. Pass i fills k16 step i's four quads of every row (a rank of 16: one pass); four
 // lanes take a row's four quads (64 contiguous bytes of fp32 v: whole sectors; v is read once per column tile).
@@ -138,13 +126,7 @@ __device__ __forceinline__ void tall_epilogue(const WarpAcc<1, 8>& acc, T* out_s
     }
   }
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < (kTallM * kExpandBN / 8) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, c = idx & 15;
-    if (g.rows[r] >= 0 && n0 + c * 8 < n_end)
-      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(g.rows[r]) * p.out_total + n0 + c * 8) =
-          *reinterpret_cast<const uint4*>(out_sm + r * kExpandOutLd + c * 8);
-  }
+  store_out_tile<T, kTallM>(out_sm, out, p.out_total, g.rows, n0, n_end);
 }
 
 // One item: for each run of tiles with one slot, its rank slabs (B slab, v rows of the run, the run's warps' MMAs);
@@ -169,7 +151,7 @@ __device__ __forceinline__ void tall_item(const V* v, const T* b, T* out, const 
       cp_async_commit();
       if (!out_requested) {
         wait_once(waited);  // v and out are written by earlier kernels
-        tall_load_out(out_sm, out, p, g.rows, n0, n_end);
+        load_out_tile<T, kTallM>(out_sm, out, p.out_total, g.rows, n0, n_end);
         cp_async_commit();
         out_requested = true;
       }
