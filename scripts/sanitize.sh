@@ -9,8 +9,8 @@
 #
 #   scripts/sanitize.sh                                   # memcheck + racecheck over the loader tests
 #   scripts/sanitize.sh kernels                           # all four tools over the cuda kernels' small-shape
-#                                                         # GPU tests, the one-launch kernel's and one of the
-#                                                         # tall expand's (issue 21)
+#                                                         # GPU tests, the one-launch kernel's and one each
+#                                                         # of the tall and streaming expands' (issue 21)
 #   scripts/sanitize.sh racecheck -- tests/test_loader_gpu.py -k evict
 #   scripts/sanitize.sh memcheck,initcheck -- tests/test_cuda_backend.py -x
 #

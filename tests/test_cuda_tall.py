@@ -39,6 +39,19 @@ def _weights(g, dtype, in_dim, R, widths, ranks):
     return a, b, offs
 
 
+def _problem(g, dtype, shape, in_dim=256):
+    """Weights of SHAPES[shape] (NaN past each slot's rank), scalings, and x, base out and v for the rows of
+    SEGMENTS, fresh from g."""
+    R, widths, ranks = SHAPES[shape]
+    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
+    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    n = sum(SEGMENTS[0])
+    x = torch.randn(n, in_dim, generator=g).to(dtype).cuda()
+    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
+    v = torch.randn(n, len(widths) * R, generator=g).cuda()
+    return a, b, offs, scal, x, base, v
+
+
 def _info(seg_lens, slots, ranks, scal):
     return make_info(seg_lens, slots, None, torch.tensor(ranks, dtype=torch.int32, device="cuda"), scal, "cuda")
 
@@ -53,14 +66,10 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
     rows of slot -1 untouched."""
     R, widths, ranks = SHAPES[shape]
     g = torch.Generator().manual_seed(2 * list(SHAPES).index(shape) + filler_first)
-    in_dim = 256
-    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
-    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    a, b, offs, scal, x, base, v = _problem(g, dtype, shape)
+    in_dim = x.shape[1]
     seg_lens, slots = SEGMENTS
     n = sum(seg_lens)
-    x = torch.randn(n, in_dim, generator=g).to(dtype).cuda()
-    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
-    v = torch.randn(n, len(widths) * R, generator=g).cuda()
     fill = 1100
     xf = torch.randn(fill, in_dim, generator=g).to(dtype).cuda()
     bf = torch.randn(fill, offs[-1], generator=g).to(dtype).cuda()
@@ -97,16 +106,9 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
 def test_one_row_has_the_batch_bits(dtype):
     """A row alone (the 16-row kernel) and inside the 287 rows of SEGMENTS (r16: the streaming warps): torch.equal,
     for apply_lora and sgmv_expand, at each of its slots' ranks."""
-    R, widths, ranks = SHAPES["qkv_r16"]
-    g = torch.Generator().manual_seed(31)
-    in_dim = 256
-    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
-    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    ranks = SHAPES["qkv_r16"][2]
+    a, b, offs, scal, x, base, v = _problem(torch.Generator().manual_seed(31), dtype, "qkv_r16")
     seg_lens, slots = SEGMENTS
-    n = sum(seg_lens)
-    x = torch.randn(n, in_dim, generator=g).to(dtype).cuda()
-    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
-    v = torch.randn(n, len(widths) * R, generator=g).cuda()
     info = _info(seg_lens, slots, ranks, scal)
     out, e = base.clone(), base.clone()
     names = launched_sgmv_kernels(lambda: lk.apply_lora(x, out, a, b, info, offs, backend="cuda"))

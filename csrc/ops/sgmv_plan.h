@@ -85,13 +85,19 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   bool offsets8 = true;
   for (int i = 0; i <= num_slices; ++i) offsets8 = offsets8 && offsets[i] % 8 == 0;
   const bool mma = elem == 2 && R % 8 == 0 && offsets8 && aligned;
-  e.kernel = !mma ? ExpandKernel::simt
-                  : (rows >= kTallExpandRows ? ExpandKernel::tall
-                                             : (R <= kStreamMaxR && rows >= 2 ? ExpandKernel::stream : ExpandKernel::mma));
-  e.cols = e.kernel == ExpandKernel::simt ? kSimtExpandBN
-                                          : (e.kernel == ExpandKernel::stream ? kStreamCols : kExpandBN);
-  e.ctas_per_sm = e.kernel == ExpandKernel::tall ? kTallCtasPerSm
-                                                 : (e.kernel == ExpandKernel::stream ? kStreamCtasPerSm : 4);
+  const auto pick_kernel = [&e](ExpandKernel kernel, int cols, int ctas_per_sm) {
+    e.kernel = kernel;
+    e.cols = cols;
+    e.ctas_per_sm = ctas_per_sm;
+  };
+  if (!mma)
+    pick_kernel(ExpandKernel::simt, kSimtExpandBN, 4);
+  else if (rows >= kTallExpandRows)
+    pick_kernel(ExpandKernel::tall, kExpandBN, kTallCtasPerSm);
+  else if (R <= kStreamMaxR && rows >= 2)
+    pick_kernel(ExpandKernel::stream, kStreamCols, kStreamCtasPerSm);
+  else
+    pick_kernel(ExpandKernel::mma, kExpandBN, 4);
   e.tile_start[0] = 0;
   for (int i = 0; i < kMaxSlices; ++i) {
     const int64_t width = i < num_slices ? offsets[i + 1] - offsets[i] : 0;
