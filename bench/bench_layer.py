@@ -22,6 +22,7 @@ the machine lands on all alike); median and range over the rounds:
     fused_ptr   the same with the pointer-load (non-persistent) Triton GEMM
     first       lk.lora_linear(mode="first"): the delta written into out first, then addmm adds the base
                 (at decode it runs overlap)
+    gemv        lk.lora_linear(mode="gemv"): base GEMM, shrink and expand in one launch (1..16 rows; more: delta)
     X+carve     (--carveout N) base, overlap or delta with N SMs kept from cuBLAS: does a GEMM that leaves SMs
                 free let the side stream's LoRA run beside it? (diagnostic; never a table mode)
 
@@ -61,8 +62,8 @@ DTYPE = torch.bfloat16
 TARGETS = {16: {"decode1": 8, "decode16": 12, "decode64": 25, "decode256": 25, "prefill8": 5},
            64: {"decode1": 10, "decode16": 35, "decode64": 65, "decode256": 65, "prefill8": 8}}
 MODE_OF = {"apply": "serial", "overlap": "overlap", "delta": "delta", "fused": "fused", "fused_ptr": "fused",
-           "first": "first"}
-ALL_VARIANTS = ("base", "apply", "overlap", "delta", "fused", "fused_ptr", "first")
+           "first": "first", "gemv": "gemv"}
+ALL_VARIANTS = ("base", "apply", "overlap", "delta", "fused", "fused_ptr", "first", "gemv")
 CARVE_VARIANTS = ("base+carve", "overlap+carve", "delta+carve")  # with --carveout N: diagnostics, not modes
 CARVEOUT = 0
 
@@ -309,6 +310,7 @@ def main():
     p.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     p.add_argument("--layers", type=int, default=4, help="layer copies rotated (prefill uses at most 2)")
     p.add_argument("--ranks", default="16,64")
+    p.add_argument("--cases", default="", help="comma list of cases to run, e.g. decode1,decode16 (default: all)")
     p.add_argument("--sort", action="store_true", help="sort_by_adapter=True batches")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list (base and apply always run)")
     p.add_argument("--per-module", action="store_true", help="also time each module alone (more captures)")
@@ -338,6 +340,8 @@ def main():
     rows = []
     for rank in (int(r) for r in args.ranks.split(",")):
         for kind, n in CASES:
+            if args.cases and f"{kind}{n}" not in args.cases.split(","):
+                continue
             rows += run_case(rank, kind, n, args, variants, bw, scale, device)
     host = [r for r in rows if r["kind"] == "host"]
     mod_rows = [r for r in rows if r["kind"] == "module"]

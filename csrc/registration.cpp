@@ -33,6 +33,14 @@ TORCH_LIBRARY(lora_kernels, m) {
       "sgmv_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, Tensor work, "
       "Tensor lora_ranks, Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_tiles, "
       "bool one_launch=False) -> Tensor");
+  // out = x weightᵀ (+ bias) + the LoRA delta (sgmv_apply's sums, the base not rounded before the add) in one launch,
+  // for 1..16 rows of x (fp16/bf16, in_dim a multiple of 256, pool rank a multiple of 8 up to 64). sync: int32 words,
+  // two a slot, zero before a slot's first launch; each launch leaves its slot at zero. Launches that may run at once
+  // (other streams) need other slots.
+  m.def(
+      "lora_gemv(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, Tensor work, Tensor lora_ranks, "
+      "Tensor scalings, Tensor? permutation, int[] slice_offsets, int max_tiles, Tensor(a!) sync, int sync_slot, "
+      "Tensor(b!) out) -> ()");
   // silu(gu[..., :I]) * gu[..., I:] for gu [..., 2I] contiguous, rounded as torch's silu then mul: a gated MLP's
   // activation in one launch and one host call (eager decode steps).
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -46,6 +54,7 @@ TORCH_LIBRARY_IMPL(lora_kernels, CUDA, m) {
   m.impl("sgmv_apply", &lora_kernels::sgmv_apply);
   m.impl("sgmv_linear", &lora_kernels::sgmv_linear);
   m.impl("silu_mul", &lora_kernels::silu_mul);
+  m.impl("lora_gemv", &lora_kernels::lora_gemv);
   m.impl("batched_h2d_copy", &lora_kernels::batched_h2d_copy);
 }
 

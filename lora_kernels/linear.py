@@ -33,6 +33,11 @@ Modes (``mode=``, default "auto"):
                the CPU: out zeroed, `apply_lora`, then the ``addmm`` (the same composition). Rows without
                LoRA get ``addmm`` onto zeros, which cuBLAS may compute with another kernel than a plain mm:
                equal to the base up to rounding, not always bit for bit.
+* ``gemv``     decode batches (1..16 rows of x): the base GEMM, the shrink and the expand in one launch of the
+               extension (`_gemv.py`, csrc/kernels/lora_gemv.cuh): the weight is streamed once with the LoRA inside,
+               y is written once. Adds the delta to the base's fp32 sum before rounding (one rounding less than
+               ``serial``). `lora_linear` only, with the backend "cuda" or unnamed, fp16/bf16, in_dim a multiple
+               of 256, pool rank a multiple of 8 up to 64; otherwise it runs ``delta``.
 * ``auto``     the mode measured fastest for the batch's regime on this machine (`_linear_table.py`,
                written by ``bench/bench_layer.py --write-table``); on the CPU, ``serial``.
 
@@ -73,7 +78,7 @@ from lora_kernels.ops import (_check_expand, _check_shrink, _check_tensor, apply
 
 __all__ = ["MODES", "lora_linear", "lora_linear_with", "pick_mode"]
 
-MODES = ("auto", "serial", "overlap", "delta", "fused", "first")
+MODES = ("auto", "serial", "overlap", "delta", "fused", "first", "gemv")
 
 
 class _Side:
@@ -189,6 +194,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
                          f"end at out_total={slice_offsets[-1]}")
     _check_y(out, x, lora_b, info, slice_offsets, "out")  # slice_offsets and lora_b against weight's out_total
     mode = _resolve_mode(mode, x, lora_b)
+    if mode == "gemv":
+        from lora_kernels import _gemv
+
+        if _gemv.backend_allows(backend) and _gemv.run(x, weight, bias, lora_a, lora_b, info, slice_offsets, out):
+            return out
+        mode = "delta"
     if mode == "fused":
         fused = _fused_gemm()
         if fused is not None and fused.supports(x, weight, info, slice_offsets):
@@ -264,6 +275,8 @@ def _run(base, x, lora_a, lora_b, info, slice_offsets, backend, mode, checked_ou
     mode = _resolve_mode(mode, x, lora_b)
     if mode == "fused":  # lora_linear took it where it can run; what reaches here runs overlapped
         mode = "overlap"
+    elif mode == "gemv":  # likewise (lora_linear_with's base is the engine's own: it cannot be fused into)
+        mode = "delta"
     elif mode == "first":  # likewise (and lora_linear_with's base returns a fresh tensor: nothing to add onto)
         mode = "serial"
     if mode == "serial":

@@ -16,9 +16,6 @@
 #include "ops/sgmv_run.h"
 
 namespace lora_kernels {
-namespace {
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 bool pdl_enabled() {
   static const bool env_on = [] {
@@ -27,6 +24,10 @@ bool pdl_enabled() {
   }();
   return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
+
+namespace {
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The one-launch path: sgmv_apply takes it only with LORA_KERNELS_CUDA_FUSED=1 (on the H200 it measured slower than
 // the two launches on the GPU: bench/RESULTS.md, tenth session); sgmv_linear where its caller asks (one_launch, the
@@ -178,6 +179,21 @@ bool try_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& 
 
 }  // namespace
 
+void check_apply_args(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+                      const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                      const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
+                      const at::Tensor& out) {
+  const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
+  check_expand_args(lora_b, lora_ranks, scalings, slice_offsets, out);
+  check_shrink_args(x, lora_a, lora_ranks, num_slices);
+  check_work(x, work, lora_ranks, permutation, max_tiles);
+  CHECK_SAME_DEVICE(out, x);
+  CHECK_DTYPE(out, x.scalar_type());
+  TORCH_CHECK(out.size(0) == x.size(0), "out has ", out.size(0), " rows but x has ", x.size(0));
+  TORCH_CHECK(lora_a.size(1) == num_slices * lora_b.size(2), "lora_a has ", lora_a.size(1),
+              " rows but num_slices*R = ", num_slices, "*", lora_b.size(2));
+}
+
 void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& work, const at::Tensor& lora_ranks,
                  const std::optional<at::Tensor>& permutation, int64_t num_slices, int64_t max_tiles, at::Tensor& v) {
   check_shrink_args(x, lora_a, lora_ranks, num_slices);
@@ -236,14 +252,7 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
                 const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
                 at::Tensor& out, bool pdl_first, bool one_launch, int64_t fused_max_rows) {
   const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
-  check_expand_args(lora_b, lora_ranks, scalings, slice_offsets, out);
-  check_shrink_args(x, lora_a, lora_ranks, num_slices);
-  check_work(x, work, lora_ranks, permutation, max_tiles);
-  CHECK_SAME_DEVICE(out, x);
-  CHECK_DTYPE(out, x.scalar_type());
-  TORCH_CHECK(out.size(0) == x.size(0), "out has ", out.size(0), " rows but x has ", x.size(0));
-  TORCH_CHECK(lora_a.size(1) == num_slices * lora_b.size(2), "lora_a has ", lora_a.size(1),
-              " rows but num_slices*R = ", num_slices, "*", lora_b.size(2));
+  check_apply_args(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out);
   if (max_tiles == 0 || out.numel() == 0 || lora_b.size(2) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const ShrinkPlan sp = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/lora_gemv.cuh"
 #include "kernels/sgmv_expand_mma.cuh"
 #include "kernels/sgmv_expand_stream.cuh"
 #include "kernels/sgmv_expand_tall.cuh"
@@ -130,6 +131,13 @@ constexpr int64_t kFusedMaxRowsLinear = 64;
 inline bool fused_fits(const ShrinkPlan& s, const ExpandPlan& e, int64_t R, int64_t N) {
   if (!s.mma || e.kernel == ExpandKernel::simt || R % 16 != 0 || R > kFusedMaxR || N % 16 != 0) return false;
   return s.splits * fused_groups_per_owner(static_cast<int>(N)) <= kFusedMaxParts;
+}
+
+// lora_gemv's shrink: kGemvStep steps per K range, the ranges (fp32 planes, summed in order) ~kGemvPlaneK long and
+// at most kGemvMaxPlanes of them: from in_dim alone, so a row's bits never depend on the batch.
+inline int64_t gemv_plane_steps(int64_t K) {
+  const int64_t steps = K / kGemvStep;
+  return cdiv(steps, std::clamp<int64_t>(cdiv(K, kGemvPlaneK), 1, kGemvMaxPlanes));
 }
 
 // Persistent grid: ctas_per_sm CTAs on every SM, never more than the work list's capacity can use.

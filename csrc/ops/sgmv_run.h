@@ -21,4 +21,19 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
 bool run_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, at::Tensor& out,
                const ShrinkArgs& sp, const ExpandArgs& ep, bool pdl);
 
+// Programmatic dependent launch for this call: an sm_90+ device and LORA_KERNELS_PDL != 0 (ops/sgmv.cu).
+bool pdl_enabled();
+
+// The checks sgmv_apply makes of its arguments (ops/sgmv.cu): x/lora_a as sgmv_shrink, lora_b/out as sgmv_expand,
+// the work list, and their agreement (rows, dtype, device, S*R).
+void check_apply_args(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+                      const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                      const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
+                      const at::Tensor& out);
+
+// out = x weightᵀ (+ bias) + LoRA(x) in one launch (kernels/lora_gemv.cuh), planes: its shrink's fp32 planes.
+void run_lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   const at::Tensor& lora_a, const at::Tensor& lora_b, float* planes, at::Tensor& out,
+                   const GemvArgs& p);
+
 }  // namespace lora_kernels

@@ -10,6 +10,9 @@ lora_kernels/batch_info.py) plus `lora_ranks`, `scalings` and the optional permu
     sgmv_linear(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
                 max_tiles, one_launch=False) -> y   (y = linear(x, weight, bias), then sgmv_apply into it; x [..., in_dim];
                 one_launch: up to 64 rows the LoRA in one cluster launch, the same bits, fewer host µs, more GPU µs)
+    lora_gemv(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles,
+              sync!, sync_slot, out!)   (out = linear(x, weight, bias) + the LoRA delta in one launch, 1..16 rows;
+              lora_kernels/_gemv.py gives the sync words)
     silu_mul(gu) -> y                  (silu(gu[..., :I]) * gu[..., I:], torch's roundings, one launch)
 """
 
@@ -84,6 +87,11 @@ def _register_fakes() -> None:
     def _linear_fake(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets,
                      max_tiles, one_launch=False):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("lora_kernels::lora_gemv")
+    def _gemv_fake(x, weight, bias, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles,
+                   sync, sync_slot, out):
+        return None
 
     @torch.library.register_fake("lora_kernels::silu_mul")
     def _silu_mul_fake(gu):

@@ -1,0 +1,123 @@
+// The decode-sized LoRA linear in one launch (kernels/lora_gemv.cuh): argument checks, the plan of its shrink's K
+// ranges, the grid of co-resident CTAs, and the launch on the current stream. The batch is the builder's work list.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "ops/checks.h"
+#include "ops/dtypes.h"
+#include "ops/ops.h"
+#include "ops/sgmv_run.h"
+
+namespace lora_kernels {
+namespace {
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void check_gemv_shapes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& lora_a, const at::Tensor& lora_b, at::IntArrayRef offs, const at::Tensor& out) {
+  CHECK_INPUT(x);
+  CHECK_DIM(2, x);  // [T, in_dim]
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "lora_gemv: x must be float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(0) <= kGemvRows, "lora_gemv: x must have at most ", kGemvRows, " rows, got shape ", x.sizes());
+  TORCH_CHECK(x.size(1) % kGemvKAlign == 0, "lora_gemv: in_dim must be a multiple of ", kGemvKAlign, ", got x shape ",
+              x.sizes());
+  CHECK_INPUT(weight);
+  CHECK_DIM(2, weight);  // [out_total, in_dim]
+  CHECK_SAME_DEVICE(weight, x);
+  CHECK_DTYPE(weight, x.scalar_type());
+  TORCH_CHECK(weight.size(1) == x.size(1) && weight.size(0) == out.size(1), "lora_gemv: weight must have shape [",
+              out.size(1), ", ", x.size(1), "] (out's columns, x's in_dim), got ", weight.sizes());
+  if (bias) {
+    CHECK_INPUT(*bias);
+    CHECK_DIM(1, *bias);
+    CHECK_SAME_DEVICE(*bias, x);
+    CHECK_DTYPE(*bias, x.scalar_type());
+    TORCH_CHECK(bias->size(0) == weight.size(0), "lora_gemv: bias must have shape [", weight.size(0), "], got ",
+                bias->sizes());
+  }
+  CHECK_SAME_DEVICE(out, x);
+  CHECK_DTYPE(out, x.scalar_type());
+  TORCH_CHECK(out.size(0) == x.size(0), "lora_gemv: out has ", out.size(0), " rows but x has ", x.size(0));
+  const int64_t R = lora_b.size(2), S = static_cast<int64_t>(offs.size()) - 1;
+  TORCH_CHECK(R % 8 == 0 && R <= kGemvMaxR, "lora_gemv: the pool rank R=lora_b.shape[2] must be a multiple of 8 up to ",
+              kGemvMaxR, ", got lora_b shape ", lora_b.sizes());
+  TORCH_CHECK(lora_a.size(1) == S * R, "lora_gemv: lora_a has ", lora_a.size(1), " rows but num_slices*R = ", S, "*",
+              R);
+  for (const at::Tensor* t : {&x, &weight, &lora_a, &lora_b})
+    TORCH_CHECK(aligned16(t->data_ptr()), "lora_gemv: tensors must start 16-byte aligned (shape ", t->sizes(), ")");
+}
+
+GemvArgs make_gemv_args(const at::Tensor& x, const at::Tensor& lora_b, const at::Tensor& work,
+                        const at::Tensor& lora_ranks, const at::Tensor& scalings,
+                        const std::optional<at::Tensor>& perm, at::IntArrayRef offs, int64_t max_tiles,
+                        int* sync) {
+  GemvArgs p{};
+  p.w.work = work.data_ptr<int32_t>();
+  p.w.lora_ranks = lora_ranks.data_ptr<int32_t>();
+  p.w.perm = perm ? perm->data_ptr<int32_t>() : nullptr;
+  p.w.max_tiles = static_cast<int>(max_tiles);
+  p.w.num_slots = static_cast<int>(lora_ranks.numel());
+  p.w.perm_len = perm ? static_cast<int>(perm->numel()) : 0;
+  p.w.num_rows = static_cast<int>(x.size(0));
+  p.scalings = scalings.data_ptr<float>();
+  p.K = static_cast<int>(x.size(1));
+  p.out_total = static_cast<int>(lora_b.size(1));
+  p.R = static_cast<int>(lora_b.size(2));
+  p.num_slices = static_cast<int>(offs.size()) - 1;
+  p.N = p.num_slices * p.R;
+  p.plane_steps = static_cast<int>(gemv_plane_steps(x.size(1)));
+  p.planes = static_cast<int>(cdiv(x.size(1) / kGemvStep, p.plane_steps));
+  for (int i = 0; i <= kMaxSlices; ++i) p.offsets[i] = static_cast<int>(offs[std::min(i, p.num_slices)]);
+  p.items = static_cast<int>(cdiv(p.out_total, kGemvCols));
+  p.sync = sync;
+  return p;
+}
+
+}  // namespace
+
+void lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+               const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& work,
+               const at::Tensor& lora_ranks, const at::Tensor& scalings, const std::optional<at::Tensor>& permutation,
+               at::IntArrayRef slice_offsets, int64_t max_tiles, at::Tensor& sync, int64_t sync_slot,
+               at::Tensor& out) {
+  check_apply_args(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out);
+  check_gemv_shapes(x, weight, bias, lora_a, lora_b, slice_offsets, out);
+  CHECK_INPUT(sync);
+  CHECK_DIM(1, sync);
+  CHECK_SAME_DEVICE(sync, x);
+  CHECK_DTYPE(sync, at::kInt);
+  TORCH_CHECK(sync_slot >= 0 && 2 * (sync_slot + 1) <= sync.numel(), "lora_gemv: sync_slot ", sync_slot,
+              " is outside sync (", sync.numel(), " words, 2 a slot)");
+  if (x.size(0) == 0 || out.size(1) == 0) return;
+  const at::cuda::OptionalCUDAGuard guard(x.device());
+  TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 8, "lora_gemv: needs compute capability 8.0 or newer");
+  const GemvArgs p = make_gemv_args(x, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles,
+                                    sync.data_ptr<int32_t>() + 2 * sync_slot);
+  at::Tensor planes = at::empty({p.planes, x.size(0), p.N}, x.options().dtype(at::kFloat));
+  run_lora_gemv(x, weight, bias, lora_a, lora_b, planes.data_ptr<float>(), out, p);
+}
+
+void run_lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   const at::Tensor& lora_a, const at::Tensor& lora_b, float* planes, at::Tensor& out,
+                   const GemvArgs& p) {
+  dispatch_dtype(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    if constexpr (sizeof(T) == 2) {
+      const int per_sm = gemv_ctas_per_sm<T>();
+      TORCH_CHECK(per_sm > 0, "lora_gemv: the kernel does not fit an SM on this device");
+      const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+      const LaunchCfg cfg{at::cuda::getCurrentCUDAStream(), std::max(1, std::min(p.items, per_sm * sms)),
+                          pdl_enabled()};
+      C10_CUDA_CHECK((launch_lora_gemv<T>(
+          static_cast<const T*>(x.data_ptr()), static_cast<const T*>(weight.data_ptr()),
+          bias ? static_cast<const T*>(bias->data_ptr()) : nullptr, static_cast<const T*>(lora_a.data_ptr()),
+          static_cast<const T*>(lora_b.data_ptr()), planes, static_cast<T*>(out.data_ptr()), p, cfg)));
+    }
+  });
+}
+
+}  // namespace lora_kernels
