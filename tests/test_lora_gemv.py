@@ -99,8 +99,8 @@ def test_gpu_batch_invariance_across_sizes():
         slots[pos] = slots_probe
         x = torch.randn(T, w.shape[1], device="cuda").to(dtype)
         x[torch.from_numpy(pos).cuda()] = x_probe
-        builder = lk.BatchInfoBuilder(T, T, ranks, scal, sort_by_adapter=bool(T % 2))
-        info = builder.build([1] * T, [int(s) for s in slots])
+        builder = lk.BatchInfoBuilder(T, T, ranks, scal)
+        info = builder.build([1] * T, [int(s) for s in slots], sort_by_adapter=bool(T % 2))
         y = lk.lora_linear(x, w, a, b, info, offs, bias=bias, mode="gemv")
         outs.append(y[torch.from_numpy(pos).cuda()])
     alone = make_info([1], [slots_probe[0]], None, ranks, scal, "cuda")

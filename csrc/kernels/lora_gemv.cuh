@@ -5,23 +5,22 @@
 // but cuBLAS followed by a shrink and an expand costs three launches per module, and the expand re-reads and
 // re-writes y. Here W's rows are streamed once, the LoRA rides along, and y is written once.
 //
-// One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv_plan.h), three phases per CTA:
-// 1. Shrink jobs, one warp each: (work-list tile, 8 columns of v, one of `planes` K ranges) -> an fp32 plane
-//    planes[p][row][c]; then the CTA counts itself done on sync[0] (release).
-// 2. Items of kGemvCols W rows over the whole K: each of the 8 warps takes one eighth of K for both n8 groups,
-//    with 16-byte loads that feed mma.sync directly (each lane loads 8 consecutive k of one W row and of x rows g
-//    and g + 8; the A and B fragments use the same k permutation, so the dot products are exact sums over k).
-// 3. The item's epilogue waits once for sync[0] to reach the grid (every CTA is resident, so every shrink job
-//    ends), sums v's planes in plane order, and writes y. The last CTA out resets sync for the next launch (which,
-//    in stream order or as a dependent launch past griddep_wait, sees the reset).
-// Bits: every sum's order is fixed by shapes only (the eighths of K, the planes, the MMA chains, j in order), and a
-// row's values come from that row's data alone: batch-invariant for any rows <= kGemvRows. Raw pointers; no torch.
+// One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv.cu) walks one list of items, CTA c
+// taking items c, c + grid, ...: first the shrink items (work-list tile, 16 columns of v: v = x Aᵀ for the tile's
+// rows), then the W items (16 rows of W, i.e. 16 columns of y). Every item spans the whole K: each of the 8 warps
+// takes one eighth of K for both n8 groups, with 16-byte loads that feed mma.sync directly (each lane loads 8
+// consecutive k of one weight row and of x rows g and g + 8; A and B fragments use the same k permutation, so the
+// dot products are exact sums over k), and the CTA adds the eighths in order. A CTA counts itself on sync[0] once
+// its shrink items are written (release); a W item's epilogue waits once for the count to reach the grid (every CTA
+// is resident and does its shrink items before any wait, so this never deadlocks), then adds the LoRA and writes y.
+// The last CTA out resets sync for the next launch (which reads it only past griddep_wait or in stream order).
+// Bits: every sum's order is fixed by shapes only (the eighths of K, the MMA chains, j in order), and a row's values
+// come from that row's data alone: batch-invariant for any rows <= kGemvRows. Raw pointers; no torch headers.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
 
 #include "kernels/launch.cuh"
-#include "kernels/planes.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/types.cuh"
 #include "kernels/work.cuh"
@@ -32,23 +31,23 @@ constexpr int kGemvRows = 16, kGemvWarps = 8, kGemvThreads = 32 * kGemvWarps, kG
 constexpr int kGemvStep = 32;                          // K per 16-byte load of a lane group (two k16 MMAs)
 constexpr int kGemvKAlign = kGemvWarps * kGemvStep;    // K must be a multiple: every warp gets whole steps
 constexpr int kGemvUnroll = 4;                         // steps whose loads are in flight together
-constexpr int kGemvMaxR = 64, kGemvMaxPlanes = 8, kGemvPlaneK = 1024;
+constexpr int kGemvMaxR = 64;
 constexpr int kGemvVCols = kMaxSlices * kGemvMaxR;     // v columns an item may need (its slices)
 
 struct GemvArgs {
   WorkArgs w;
   const float* scalings;
   int K, out_total, R, N, num_slices;  // N = num_slices * R: columns of v
-  int planes, plane_steps;             // K ranges of the shrink (fp32 planes) and kGemvStep steps per range
   int offsets[kMaxSlices + 1];
-  int items;                           // cdiv(out_total, kGemvCols)
-  int* sync;                           // [2]: CTAs past the shrink, CTAs out
+  int v_items;                         // shrink items per work-list tile: cdiv(N, kGemvCols)
+  int items;                           // W items: cdiv(out_total, kGemvCols)
+  int* sync;                           // [2]: CTAs past their shrink items, CTAs out
 };
 
 template <typename T>
 struct alignas(16) GemvSmem {
   float red[kGemvWarps][kGemvRows][kGemvCols];  // the warps' partial sums over their eighth of K
-  float vs[kGemvRows][kGemvVCols];              // v of the item's slices, summed over the planes
+  float vs[kGemvRows][kGemvVCols];              // v of the item's slices
   int slot[kGemvRows], rank[kGemvRows];
   float scale[kGemvRows];
 };
@@ -67,9 +66,11 @@ __device__ __forceinline__ void mma_step(float (&acc)[4], const uint4& lo, const
 }
 
 // acc[h] += x[rows] · wrow[h] over `steps` steps from the pointers (each already at the lane's first k).
-template <typename T, int H>
-__device__ __forceinline__ void gemv_steps(float (&acc)[H][4], const T* const (&wp)[H], const bool (&wok)[H],
+// HI: x rows 8..15 may exist (more than 8 rows); else their fragments are constant zeros, without loads.
+template <typename T, bool HI>
+__device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&wp)[2], const bool (&wok)[2],
                                            const T* xl, bool lok, const T* xh, bool hok, int steps) {
+  constexpr int H = 2;
   int s = 0;
   for (; s + kGemvUnroll <= steps; s += kGemvUnroll) {
     uint4 w[kGemvUnroll][H], lo[kGemvUnroll], hi[kGemvUnroll];
@@ -79,7 +80,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[H][4], const T* const (&
 #pragma unroll
       for (int h = 0; h < H; ++h) w[u][h] = ld_cg16(wp[h] + k, wok[h]);
       lo[u] = ld_cg16(xl + k, lok);
-      hi[u] = ld_cg16(xh + k, hok);
+      hi[u] = HI ? ld_cg16(xh + k, hok) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u)
@@ -88,35 +89,56 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[H][4], const T* const (&
   }
   for (; s < steps; ++s) {
     const int k = s * kGemvStep;
-    const uint4 lo = ld_cg16(xl + k, lok), hi = ld_cg16(xh + k, hok);
+    const uint4 lo = ld_cg16(xl + k, lok), hi = HI ? ld_cg16(xh + k, hok) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo, hi, ld_cg16(wp[h] + k, wok[h]));
   }
 }
 
-// Phase 1: this warp's shrink jobs (tile, 8-column group of v, K range) -> planes[p][row][c].
+// The CTA's partial sums (the 8 warps' eighths of K, in red) of thread (m, c) = threadIdx.x / 16, % 16, in order.
 template <typename T>
-__device__ void gemv_shrink_jobs(const T* x, const T* lora_a, float* planes, const GemvArgs& p, int gwarp,
-                                 int nwarps) {
-  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4, groups = p.N / 8;
-  const int jobs = num_tiles(p.w) * groups * p.planes;
-  for (int job = gwarp; job < jobs; job += nwarps) {
-    const int t = job / (groups * p.planes), grp = job / p.planes % groups, pl = job % p.planes;
-    const TileInfo ti = load_tile(p.w, t, p.R);
-    if (ti.slot < 0 || (grp * 8) % p.R >= ti.rank) continue;  // no LoRA, or columns past the rank
-    const int rlo = tile_row(p.w, ti, g), rhi = tile_row(p.w, ti, g + 8);
-    const int s0 = pl * p.plane_steps;
-    const int steps = min(p.plane_steps, p.K / kGemvStep - s0);
-    const int64_t k0 = int64_t{s0} * kGemvStep + 8 * q;
-    const T* const wp[1] = {lora_a + (int64_t{ti.slot} * p.N + grp * 8 + g) * p.K + k0};
-    const bool wok[1] = {true};
-    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-    gemv_steps<T, 1>(acc, wp, wok, x + int64_t{max(rlo, 0)} * p.K + k0, rlo >= 0, x + int64_t{max(rhi, 0)} * p.K + k0,
-                     rhi >= 0, steps);
-    float* dst = planes + int64_t{pl} * p.w.num_rows * p.N + grp * 8 + 2 * q;
-    if (rlo >= 0) *reinterpret_cast<float2*>(dst + int64_t{rlo} * p.N) = make_float2(acc[0][0], acc[0][1]);
-    if (rhi >= 0) *reinterpret_cast<float2*>(dst + int64_t{rhi} * p.N) = make_float2(acc[0][2], acc[0][3]);
+__device__ __forceinline__ void gemv_red_store(GemvSmem<T>& sm, const float (&acc)[2][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    *reinterpret_cast<float2*>(&sm.red[warp][g][8 * h + 2 * q]) = make_float2(acc[h][0], acc[h][1]);
+    *reinterpret_cast<float2*>(&sm.red[warp][g + 8][8 * h + 2 * q]) = make_float2(acc[h][2], acc[h][3]);
   }
+}
+template <typename T>
+__device__ __forceinline__ float gemv_red_sum(const GemvSmem<T>& sm) {
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < kGemvWarps; ++k) s += sm.red[k][threadIdx.x / kGemvCols][threadIdx.x % kGemvCols];
+  return s;
+}
+
+// Shrink item: v[tile rows, c0 .. c0 + 16) = x[tile rows] A[slot, c0 ..]ᵀ (8-column groups past the rank skipped;
+// their columns are never read). CTA-uniform control flow: the tile is the same for every thread.
+template <typename T, bool HI>
+__device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem<T>& sm, const GemvArgs& p,
+                                 int item) {
+  const TileInfo ti = load_tile(p.w, item / p.v_items, p.R);
+  const int c0 = item % p.v_items * kGemvCols;
+  bool wok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) wok[h] = ti.slot >= 0 && c0 + 8 * h < p.N && (c0 + 8 * h) % p.R < ti.rank;
+  if (!wok[0] && !wok[1]) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int steps = p.K / kGemvStep / kGemvWarps;
+  const int64_t k0 = int64_t{warp} * steps * kGemvStep + 8 * q;
+  const T* const wp[2] = {lora_a + (int64_t{ti.slot} * p.N + min(c0 + g, p.N - 1)) * p.K + k0,
+                          lora_a + (int64_t{ti.slot} * p.N + min(c0 + 8 + g, p.N - 1)) * p.K + k0};
+  const int rlo = tile_row(p.w, ti, g), rhi = tile_row(p.w, ti, g + 8);
+  float acc[2][4] = {};
+  gemv_steps<T, HI>(acc, wp, wok, x + int64_t{max(rlo, 0)} * p.K + k0, rlo >= 0, x + int64_t{max(rhi, 0)} * p.K + k0,
+                    rhi >= 0, steps);
+  gemv_red_store(sm, acc);
+  __syncthreads();
+  const int row = tile_row(p.w, ti, threadIdx.x / kGemvCols), c = c0 + threadIdx.x % kGemvCols;
+  const float sum = gemv_red_sum(sm);
+  if (row >= 0 && c < p.N) v[int64_t{row} * p.N + c] = sum;
+  __syncthreads();  // red is free for the next item
 }
 
 // The slice holding column n (the last non-empty slice starting at or before it).
@@ -148,7 +170,7 @@ __device__ void gemv_rows(GemvSmem<T>& sm, const GemvArgs& p) {
   __syncthreads();
 }
 
-// Waits until every CTA of the grid has written its shrink planes (thread 0 spins; the barrier orders the rest).
+// Waits until every CTA of the grid has written its shrink items (thread 0 spins; the barrier orders the rest).
 __device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready) {
   if (ready) return;
   if (threadIdx.x == 0) {
@@ -163,10 +185,10 @@ __device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready)
   ready = true;
 }
 
-// Phases 2 and 3 for one item: W rows [n0, n0 + kGemvCols) times x, then the LoRA and the store of y. Thread
-// (m, c) of the epilogue owns y[m, n0 + c].
-template <typename T>
-__device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b, const float* planes, T* y,
+// W item: y[:, n0 .. n0 + 16) = x W[n0 ..]ᵀ (+ bias) + the LoRA of each row. Thread (m, c) of the epilogue owns
+// y[m, n0 + c].
+template <typename T, bool HI>
+__device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b, const float* v, T* y,
                           GemvSmem<T>& sm, const GemvArgs& p, int item, bool& ready) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4, M = p.w.num_rows;
   const int n0 = item * kGemvCols, steps = p.K / kGemvStep / kGemvWarps;
@@ -175,13 +197,9 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
                           w + int64_t{min(n0 + 8 + g, p.out_total - 1)} * p.K + k0};
   const bool wok[2] = {n0 + g < p.out_total, n0 + 8 + g < p.out_total};
   float acc[2][4] = {};
-  gemv_steps<T, 2>(acc, wp, wok, x + int64_t{min(g, M - 1)} * p.K + k0, g < M, x + int64_t{min(g + 8, M - 1)} * p.K + k0,
-                   g + 8 < M, steps);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    *reinterpret_cast<float2*>(&sm.red[warp][g][8 * h + 2 * q]) = make_float2(acc[h][0], acc[h][1]);
-    *reinterpret_cast<float2*>(&sm.red[warp][g + 8][8 * h + 2 * q]) = make_float2(acc[h][2], acc[h][3]);
-  }
+  gemv_steps<T, HI>(acc, wp, wok, x + int64_t{min(g, M - 1)} * p.K + k0, g < M,
+                    x + int64_t{min(g + 8, M - 1)} * p.K + k0, g + 8 < M, steps);
+  gemv_red_store(sm, acc);
   const int m = threadIdx.x / kGemvCols, n = n0 + threadIdx.x % kGemvCols;
   const bool mine = m < M && n < p.out_total;
   const int slot = mine ? sm.slot[m] : -1, rank = slot >= 0 ? sm.rank[m] : 0;
@@ -195,13 +213,10 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
   gemv_wait_shrink(p, ready);
   for (int i = threadIdx.x; i < kGemvRows * width; i += kGemvThreads) {
     const int mm = i / width, cc = i % width;
-    if (mm < M && sm.slot[mm] >= 0 && cc % p.R < sm.rank[mm])
-      sm.vs[mm][cc] = sum_planes(planes + int64_t{mm} * p.N + s_lo * p.R + cc, int64_t{M} * p.N, p.planes);
+    if (mm < M && sm.slot[mm] >= 0 && cc % p.R < sm.rank[mm]) sm.vs[mm][cc] = __ldcg(v + int64_t{mm} * p.N + s_lo * p.R + cc);
   }
   __syncthreads();  // red and vs complete
-  float acc_y = 0.f;
-#pragma unroll
-  for (int k = 0; k < kGemvWarps; ++k) acc_y += sm.red[k][m][threadIdx.x % kGemvCols];
+  float acc_y = gemv_red_sum(sm);
   if (mine && bias) acc_y += to_float(bias[n]);
   if (slot >= 0) {
     const float* vrow = &sm.vs[m][(gemv_slice(p, n) - s_lo) * p.R];
@@ -219,40 +234,46 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
   __syncthreads();  // red and vs are free for the next item
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kGemvThreads, 2)
-    lora_gemv_kernel(const T* x, const T* w, const T* bias, const T* lora_a, const T* lora_b, float* planes, T* y,
-                     const GemvArgs p) {
-  __shared__ GemvSmem<T> sm;
-  gemv_rows(sm, p);
-  griddep_launch_dependents();
-  if (blockIdx.x < p.items) {  // the first item's first W steps into L2 while the previous kernel ends
-    const int row = min(static_cast<int>(blockIdx.x) * kGemvCols + threadIdx.x / 16, p.out_total - 1);
-    const int steps = p.K / kGemvStep / kGemvWarps;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + int64_t{row} * p.K + (threadIdx.x % 16) / 2 * steps *
-                                                                              kGemvStep + (threadIdx.x % 2) * 64));
-  }
-  griddep_wait();  // x and the sync words: the previous kernel's
-  gemv_shrink_jobs<T>(x, lora_a, planes, p, blockIdx.x * kGemvWarps + threadIdx.x / 32, gridDim.x * kGemvWarps);
+// This CTA's shrink items are written: count it (release: the fence orders its v stores before the count).
+__device__ __forceinline__ void gemv_arrive(const GemvArgs& p) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(p.sync, 1);
   }
-  bool ready = false;
-  for (int item = blockIdx.x; item < p.items; item += gridDim.x)
-    gemv_item<T>(x, w, bias, lora_b, planes, y, sm, p, item, ready);
+}
+
+template <typename T, bool HI>
+__global__ void __launch_bounds__(kGemvThreads, 2)
+    lora_gemv_kernel(const T* x, const T* w, const T* bias, const T* lora_a, const T* lora_b, float* v, T* y,
+                     const GemvArgs p) {
+  __shared__ GemvSmem<T> sm;
+  gemv_rows(sm, p);
+  const int shrink_items = num_tiles(p.w) * p.v_items, items = shrink_items + p.items;
+  griddep_launch_dependents();
+  griddep_wait();  // x and the sync words: the previous kernel's
+  bool arrived = false, ready = false;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    if (item < shrink_items) {
+      gemv_shrink_item<T, HI>(x, lora_a, v, sm, p, item);
+      continue;
+    }
+    if (!arrived) gemv_arrive(p);
+    arrived = true;
+    gemv_item<T, HI>(x, w, bias, lora_b, v, y, sm, p, item - shrink_items, ready);
+  }
+  if (!arrived) gemv_arrive(p);
   if (threadIdx.x == 0 && atomicAdd(p.sync + 1, 1) == static_cast<int>(gridDim.x) - 1) {
     atomicExch(p.sync, 0);  // every other CTA is out: nobody reads the words until the next launch
     atomicExch(p.sync + 1, 0);
   }
 }
 
-template <typename T>
+template <typename T, bool HI>
 int gemv_ctas_per_sm() {
   static const int n = [] {
     int blocks = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, lora_gemv_kernel<T>, kGemvThreads, 0) ==
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, lora_gemv_kernel<T, HI>, kGemvThreads, 0) ==
                    cudaSuccess
                ? blocks
                : 0;
@@ -260,10 +281,10 @@ int gemv_ctas_per_sm() {
   return n;
 }
 
-template <typename T>
-cudaError_t launch_lora_gemv(const T* x, const T* w, const T* bias, const T* lora_a, const T* lora_b, float* planes,
-                             T* y, const GemvArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<lora_gemv_kernel<T>>(cfg, kGemvThreads, 0, x, w, bias, lora_a, lora_b, planes, y, p);
+template <typename T, bool HI>
+cudaError_t launch_lora_gemv(const T* x, const T* w, const T* bias, const T* lora_a, const T* lora_b, float* v, T* y,
+                             const GemvArgs& p, const LaunchCfg& cfg) {
+  return launch_kernel<lora_gemv_kernel<T, HI>>(cfg, kGemvThreads, 0, x, w, bias, lora_a, lora_b, v, y, p);
 }
 
 }  // namespace lora_kernels

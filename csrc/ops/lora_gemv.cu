@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "ops/checks.h"
 #include "ops/dtypes.h"
@@ -69,8 +70,7 @@ GemvArgs make_gemv_args(const at::Tensor& x, const at::Tensor& lora_b, const at:
   p.R = static_cast<int>(lora_b.size(2));
   p.num_slices = static_cast<int>(offs.size()) - 1;
   p.N = p.num_slices * p.R;
-  p.plane_steps = static_cast<int>(gemv_plane_steps(x.size(1)));
-  p.planes = static_cast<int>(cdiv(x.size(1) / kGemvStep, p.plane_steps));
+  p.v_items = static_cast<int>(cdiv(p.N, kGemvCols));
   for (int i = 0; i <= kMaxSlices; ++i) p.offsets[i] = static_cast<int>(offs[std::min(i, p.num_slices)]);
   p.items = static_cast<int>(cdiv(p.out_total, kGemvCols));
   p.sync = sync;
@@ -97,25 +97,33 @@ void lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optiona
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 8, "lora_gemv: needs compute capability 8.0 or newer");
   const GemvArgs p = make_gemv_args(x, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles,
                                     sync.data_ptr<int32_t>() + 2 * sync_slot);
-  at::Tensor planes = at::empty({p.planes, x.size(0), p.N}, x.options().dtype(at::kFloat));
-  run_lora_gemv(x, weight, bias, lora_a, lora_b, planes.data_ptr<float>(), out, p);
+  at::Tensor v = at::empty({x.size(0), p.N}, x.options().dtype(at::kFloat));
+  run_lora_gemv(x, weight, bias, lora_a, lora_b, v.data_ptr<float>(), out, p);
 }
 
 void run_lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                   const at::Tensor& lora_a, const at::Tensor& lora_b, float* planes, at::Tensor& out,
+                   const at::Tensor& lora_a, const at::Tensor& lora_b, float* v, at::Tensor& out,
                    const GemvArgs& p) {
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     if constexpr (sizeof(T) == 2) {
-      const int per_sm = gemv_ctas_per_sm<T>();
-      TORCH_CHECK(per_sm > 0, "lora_gemv: the kernel does not fit an SM on this device");
-      const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-      const LaunchCfg cfg{at::cuda::getCurrentCUDAStream(), std::max(1, std::min(p.items, per_sm * sms)),
-                          pdl_enabled()};
-      C10_CUDA_CHECK((launch_lora_gemv<T>(
-          static_cast<const T*>(x.data_ptr()), static_cast<const T*>(weight.data_ptr()),
-          bias ? static_cast<const T*>(bias->data_ptr()) : nullptr, static_cast<const T*>(lora_a.data_ptr()),
-          static_cast<const T*>(lora_b.data_ptr()), planes, static_cast<T*>(out.data_ptr()), p, cfg)));
+      const auto launch = [&](auto hi) {
+        constexpr bool HI = decltype(hi)::value;
+        const int per_sm = gemv_ctas_per_sm<T, HI>();
+        TORCH_CHECK(per_sm > 0, "lora_gemv: the kernel does not fit an SM on this device");
+        // Every CTA resident at once (the in-kernel count needs it): the grid never exceeds the occupancy. A grid
+        // of that size also has CTAs for the shrink items beyond the W items.
+        const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+        const LaunchCfg cfg{at::cuda::getCurrentCUDAStream(), per_sm * sms, pdl_enabled()};
+        C10_CUDA_CHECK((launch_lora_gemv<T, HI>(
+            static_cast<const T*>(x.data_ptr()), static_cast<const T*>(weight.data_ptr()),
+            bias ? static_cast<const T*>(bias->data_ptr()) : nullptr, static_cast<const T*>(lora_a.data_ptr()),
+            static_cast<const T*>(lora_b.data_ptr()), v, static_cast<T*>(out.data_ptr()), p, cfg)));
+      };
+      if (p.w.num_rows > 8)
+        launch(std::true_type{});
+      else
+        launch(std::false_type{});
     }
   });
 }

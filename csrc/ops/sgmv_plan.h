@@ -133,13 +133,6 @@ inline bool fused_fits(const ShrinkPlan& s, const ExpandPlan& e, int64_t R, int6
   return s.splits * fused_groups_per_owner(static_cast<int>(N)) <= kFusedMaxParts;
 }
 
-// lora_gemv's shrink: kGemvStep steps per K range, the ranges (fp32 planes, summed in order) ~kGemvPlaneK long and
-// at most kGemvMaxPlanes of them: from in_dim alone, so a row's bits never depend on the batch.
-inline int64_t gemv_plane_steps(int64_t K) {
-  const int64_t steps = K / kGemvStep;
-  return cdiv(steps, std::clamp<int64_t>(cdiv(K, kGemvPlaneK), 1, kGemvMaxPlanes));
-}
-
 // Persistent grid: ctas_per_sm CTAs on every SM, never more than the work list's capacity can use.
 inline int persistent_grid(int64_t items_upper, int ctas_per_sm, int num_sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items_upper, int64_t{ctas_per_sm} * num_sms)));

@@ -31,9 +31,9 @@ void check_apply_args(const at::Tensor& x, const at::Tensor& lora_a, const at::T
                       const std::optional<at::Tensor>& permutation, at::IntArrayRef slice_offsets, int64_t max_tiles,
                       const at::Tensor& out);
 
-// out = x weightᵀ (+ bias) + LoRA(x) in one launch (kernels/lora_gemv.cuh), planes: its shrink's fp32 planes.
+// out = x weightᵀ (+ bias) + LoRA(x) in one launch (kernels/lora_gemv.cuh); v: [rows, S*R] fp32 scratch.
 void run_lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                   const at::Tensor& lora_a, const at::Tensor& lora_b, float* planes, at::Tensor& out,
+                   const at::Tensor& lora_a, const at::Tensor& lora_b, float* v, at::Tensor& out,
                    const GemvArgs& p);
 
 }  // namespace lora_kernels
