@@ -47,7 +47,7 @@ struct GemvArgs {
 template <typename T>
 struct alignas(16) GemvSmem {
   float red[kGemvWarps][kGemvRows][kGemvCols];  // the warps' partial sums over their eighth of K
-  float vs[kGemvRows][kGemvVCols];              // v of the item's slices
+  float vs[kGemvRows][kGemvVCols];              // v of every row (staged once per CTA)
   int slot[kGemvRows], rank[kGemvRows];
   float scale[kGemvRows];
 };
@@ -196,30 +196,30 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
   const T* const wp[2] = {w + int64_t{min(n0 + g, p.out_total - 1)} * p.K + k0,
                           w + int64_t{min(n0 + 8 + g, p.out_total - 1)} * p.K + k0};
   const bool wok[2] = {n0 + g < p.out_total, n0 + 8 + g < p.out_total};
+  const int m = threadIdx.x / kGemvCols, n = n0 + threadIdx.x % kGemvCols;
+  const bool mine = m < M && n < p.out_total;
+  const int slot = mine ? sm.slot[m] : -1, rank = slot >= 0 ? sm.rank[m] : 0;
+  const T* brow = lora_b + (int64_t{max(slot, 0)} * p.out_total + min(n, p.out_total - 1)) * p.R;
+  if (rank > 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(brow));  // a row of B: at most 128 bytes
   float acc[2][4] = {};
   gemv_steps<T, HI>(acc, wp, wok, x + int64_t{min(g, M - 1)} * p.K + k0, g < M,
                     x + int64_t{min(g + 8, M - 1)} * p.K + k0, g + 8 < M, steps);
   gemv_red_store(sm, acc);
-  const int m = threadIdx.x / kGemvCols, n = n0 + threadIdx.x % kGemvCols;
-  const bool mine = m < M && n < p.out_total;
-  const int slot = mine ? sm.slot[m] : -1, rank = slot >= 0 ? sm.rank[m] : 0;
-  uint4 b[kGemvMaxR / 8];  // B[slot, n, :rank], requested before the wait (no kernel writes weights)
+  uint4 b[kGemvMaxR / 8];  // B[slot, n, :rank] (L2 hits: prefetched at the item's start)
 #pragma unroll
-  for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8)
-    b[c8] = ld_cg16(lora_b + (int64_t{max(slot, 0)} * p.out_total + min(n, p.out_total - 1)) * p.R + 8 * c8,
-                    8 * c8 < rank);
-  const int s_lo = gemv_slice(p, n0), s_hi = gemv_slice(p, min(n0 + kGemvCols, p.out_total) - 1);
-  const int width = (s_hi - s_lo + 1) * p.R;
-  gemv_wait_shrink(p, ready);
-  for (int i = threadIdx.x; i < kGemvRows * width; i += kGemvThreads) {
-    const int mm = i / width, cc = i % width;
-    if (mm < M && sm.slot[mm] >= 0 && cc % p.R < sm.rank[mm]) sm.vs[mm][cc] = __ldcg(v + int64_t{mm} * p.N + s_lo * p.R + cc);
+  for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) b[c8] = ld_cg16(brow + 8 * c8, 8 * c8 < rank);
+  if (!ready) {  // v of every row, once per CTA: the shrink items' output
+    gemv_wait_shrink(p, ready);
+    for (int i = threadIdx.x; i < M * p.N; i += kGemvThreads) {
+      const int mm = i / p.N, cc = i % p.N;
+      if (sm.slot[mm] >= 0 && cc % p.R < sm.rank[mm]) sm.vs[mm][cc] = __ldcg(v + i);
+    }
   }
-  __syncthreads();  // red and vs complete
+  __syncthreads();  // red (and vs) complete
   float acc_y = gemv_red_sum(sm);
   if (mine && bias) acc_y += to_float(bias[n]);
   if (slot >= 0) {
-    const float* vrow = &sm.vs[m][(gemv_slice(p, n) - s_lo) * p.R];
+    const float* vrow = &sm.vs[m][gemv_slice(p, n) * p.R];
     float delta = 0.f;
 #pragma unroll
     for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) {
