@@ -10,7 +10,8 @@
 #   scripts/sanitize.sh                                   # memcheck + racecheck over the loader tests
 #   scripts/sanitize.sh kernels                           # all four tools over the cuda kernels' small-shape
 #                                                         # GPU tests, the one-launch kernel's and one each
-#                                                         # of the tall and streaming expands' (issue 21)
+#                                                         # of the tall and streaming expands' (issue 21),
+#                                                         # lora_gemv's (its in-kernel count among them)
 #   scripts/sanitize.sh racecheck -- tests/test_loader_gpu.py -k evict
 #   scripts/sanitize.sh memcheck,initcheck -- tests/test_cuda_backend.py -x
 #
@@ -32,7 +33,8 @@ if [ $# -gt 0 ] && [ "$1" = "kernels" ]; then
   tools="memcheck,racecheck,synccheck,initcheck"
   [ $# -gt 0 ] && [ "$1" = "--" ] && shift
   [ $# -eq 0 ] && set -- tests/test_cuda_backend.py tests/test_cuda_fused.py tests/test_cuda_tall.py \
-    -k "small or (two_launches and qkv-16-1) or (narrow and bf16 and filler_last) or (one_row and bf16)"
+    tests/test_lora_gemv.py -k "small or (two_launches and qkv-16-1) or (narrow and bf16 and filler_last) or \
+(one_row and bf16) or (lora_gemv and (graph_replay or (dtype0 and (one_row or permuted_padded))))"
 fi
 if [ $# -gt 0 ] && [ "$1" != "--" ] && [ "${1#-}" = "$1" ] && [ "${1#tests}" = "$1" ]; then tools=$1; shift; fi
 [ $# -gt 0 ] && [ "$1" = "--" ] && shift
