@@ -6,21 +6,23 @@
 // re-writes y. Here W's rows are streamed once, the LoRA rides along, and y is written once.
 //
 // One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv.cu) walks one list of items, CTA c
-// taking items c, c + grid, ...: first the shrink items (work-list tile, 16 columns of v: v = x Aᵀ for the tile's
-// rows), then the W items (16 rows of W, i.e. 16 columns of y). Every item spans the whole K: each of the 8 warps
-// takes one eighth of K for both n8 groups, with 16-byte loads that feed mma.sync directly (each lane loads 8
+// taking items c, c + grid, ...: first the shrink items (work-list tile, 16 columns of v, one of `splits` K ranges:
+// fp32 planes of v = x Aᵀ for the tile's rows, summed in plane order where the epilogue stages v), then the W items
+// (16 rows of W, i.e. 16 columns of y, over the whole K). In every item each of the 8 warps takes one eighth of the
+// item's K for both n8 groups, with 16-byte loads that feed mma.sync directly (each lane loads 8
 // consecutive k of one weight row and of x rows g and g + 8; A and B fragments use the same k permutation, so the
 // dot products are exact sums over k), and the CTA adds the eighths in order. A CTA counts itself on sync[0] once
 // its shrink items are written (release); a W item's epilogue waits once for the count to reach the grid (every CTA
 // is resident and does its shrink items before any wait, so this never deadlocks), then adds the LoRA and writes y.
 // The last CTA out resets sync for the next launch (which reads it only past griddep_wait or in stream order).
-// Bits: every sum's order is fixed by shapes only (the eighths of K, the MMA chains, j in order), and a row's values
+// Bits: every sum's order is fixed by shapes only (the K ranges and eighths, the MMA chains, j in order), and a row's values
 // come from that row's data alone: batch-invariant for any rows <= kGemvRows. Raw pointers; no torch headers.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
 
 #include "kernels/launch.cuh"
+#include "kernels/planes.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/types.cuh"
 #include "kernels/work.cuh"
@@ -31,7 +33,7 @@ constexpr int kGemvRows = 16, kGemvWarps = 8, kGemvThreads = 32 * kGemvWarps, kG
 constexpr int kGemvStep = 32;                          // K per 16-byte load of a lane group (two k16 MMAs)
 constexpr int kGemvKAlign = kGemvWarps * kGemvStep;    // K must be a multiple: every warp gets whole steps
 constexpr int kGemvUnroll = 4;                         // steps whose loads are in flight together
-constexpr int kGemvMaxR = 64;
+constexpr int kGemvMaxR = 64, kGemvMaxSplits = 8;
 constexpr int kGemvVCols = kMaxSlices * kGemvMaxR;     // v columns an item may need (its slices)
 
 struct GemvArgs {
@@ -39,7 +41,8 @@ struct GemvArgs {
   const float* scalings;
   int K, out_total, R, N, num_slices;  // N = num_slices * R: columns of v
   int offsets[kMaxSlices + 1];
-  int v_items;                         // shrink items per work-list tile: cdiv(N, kGemvCols)
+  int v_items;                         // 16-column blocks of v: cdiv(N, kGemvCols)
+  int splits;                          // K ranges of a shrink (fp32 planes of v, summed in order): shape-only
   int items;                           // W items: cdiv(out_total, kGemvCols)
   int* sync;                           // [2]: CTAs past their shrink items, CTAs out
 };
@@ -52,8 +55,19 @@ struct alignas(16) GemvSmem {
   float scale[kGemvRows];
 };
 
-__device__ __forceinline__ uint4 ld_cg16(const void* p, bool ok) {
-  return ok ? __ldcg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+// Weights (W, A, B): read once per launch, never written by a kernel: not kept in L1, which holds x for the next
+// items of this SM's CTAs (they read the same K ranges of x).
+__device__ __forceinline__ uint4 ld_w16(const void* p, bool ok) {
+  uint4 r = make_uint4(0, 0, 0, 0);
+  if (ok)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  return r;
+}
+// x: an earlier kernel's output, read only past griddep_wait (which makes its writes visible), through L1.
+__device__ __forceinline__ uint4 ld_x16(const void* p, bool ok) {
+  return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
 }
 
 // acc += x rows (lo, hi) · w row over one kGemvStep step: lane q = lane % 4 holds k 8q..8q+7 of each operand, the
@@ -78,9 +92,9 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int k = (s + u) * kGemvStep;
 #pragma unroll
-      for (int h = 0; h < H; ++h) w[u][h] = ld_cg16(wp[h] + k, wok[h]);
-      lo[u] = ld_cg16(xl + k, lok);
-      hi[u] = HI ? ld_cg16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+      for (int h = 0; h < H; ++h) w[u][h] = ld_w16(wp[h] + k, wok[h]);
+      lo[u] = ld_x16(xl + k, lok);
+      hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u)
@@ -89,9 +103,9 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&
   }
   for (; s < steps; ++s) {
     const int k = s * kGemvStep;
-    const uint4 lo = ld_cg16(xl + k, lok), hi = HI ? ld_cg16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+    const uint4 lo = ld_x16(xl + k, lok), hi = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo, hi, ld_cg16(wp[h] + k, wok[h]));
+    for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo, hi, ld_w16(wp[h] + k, wok[h]));
   }
 }
 
@@ -113,20 +127,22 @@ __device__ __forceinline__ float gemv_red_sum(const GemvSmem<T>& sm) {
   return s;
 }
 
-// Shrink item: v[tile rows, c0 .. c0 + 16) = x[tile rows] A[slot, c0 ..]ᵀ (8-column groups past the rank skipped;
-// their columns are never read). CTA-uniform control flow: the tile is the same for every thread.
+// Shrink item (tile, 16-column block of v, K range): plane[split][tile rows, c0 .. c0 + 16) = x A[slot, c0 ..]ᵀ
+// over the range (8-column groups past the rank skipped: their columns are never read). The K ranges are short, so
+// the shrink is spread over every CTA before their W items (a whole-K item measured a tail: 16 of them at down
+// beside 256 W items ran two item times on 8 CTAs). CTA-uniform control flow: the tile is the same for every thread.
 template <typename T, bool HI>
 __device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem<T>& sm, const GemvArgs& p,
                                  int item) {
-  const TileInfo ti = load_tile(p.w, item / p.v_items, p.R);
-  const int c0 = item % p.v_items * kGemvCols;
+  const TileInfo ti = load_tile(p.w, item / (p.v_items * p.splits), p.R);
+  const int c0 = item / p.splits % p.v_items * kGemvCols, split = item % p.splits;
   bool wok[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) wok[h] = ti.slot >= 0 && c0 + 8 * h < p.N && (c0 + 8 * h) % p.R < ti.rank;
   if (!wok[0] && !wok[1]) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int steps = p.K / kGemvStep / kGemvWarps;
-  const int64_t k0 = int64_t{warp} * steps * kGemvStep + 8 * q;
+  const int range = p.K / p.splits, steps = range / kGemvStep / kGemvWarps;
+  const int64_t k0 = int64_t{split} * range + int64_t{warp} * steps * kGemvStep + 8 * q;
   const T* const wp[2] = {lora_a + (int64_t{ti.slot} * p.N + min(c0 + g, p.N - 1)) * p.K + k0,
                           lora_a + (int64_t{ti.slot} * p.N + min(c0 + 8 + g, p.N - 1)) * p.K + k0};
   const int rlo = tile_row(p.w, ti, g), rhi = tile_row(p.w, ti, g + 8);
@@ -137,7 +153,7 @@ __device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem
   __syncthreads();
   const int row = tile_row(p.w, ti, threadIdx.x / kGemvCols), c = c0 + threadIdx.x % kGemvCols;
   const float sum = gemv_red_sum(sm);
-  if (row >= 0 && c < p.N) v[int64_t{row} * p.N + c] = sum;
+  if (row >= 0 && c < p.N) v[(int64_t{split} * p.w.num_rows + row) * p.N + c] = sum;
   __syncthreads();  // red is free for the next item
 }
 
@@ -207,12 +223,12 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
   gemv_red_store(sm, acc);
   uint4 b[kGemvMaxR / 8];  // B[slot, n, :rank] (L2 hits: prefetched at the item's start)
 #pragma unroll
-  for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) b[c8] = ld_cg16(brow + 8 * c8, 8 * c8 < rank);
+  for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) b[c8] = ld_w16(brow + 8 * c8, 8 * c8 < rank);
   if (!ready) {  // v of every row, once per CTA: the shrink items' output
     gemv_wait_shrink(p, ready);
     for (int i = threadIdx.x; i < M * p.N; i += kGemvThreads) {
       const int mm = i / p.N, cc = i % p.N;
-      if (sm.slot[mm] >= 0 && cc % p.R < sm.rank[mm]) sm.vs[mm][cc] = __ldcg(v + i);
+      if (sm.slot[mm] >= 0 && cc % p.R < sm.rank[mm]) sm.vs[mm][cc] = sum_planes(v + i, int64_t{M} * p.N, p.splits);
     }
   }
   __syncthreads();  // red (and vs) complete
@@ -249,7 +265,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
                      const GemvArgs p) {
   __shared__ GemvSmem<T> sm;
   gemv_rows(sm, p);
-  const int shrink_items = num_tiles(p.w) * p.v_items, items = shrink_items + p.items;
+  const int shrink_items = num_tiles(p.w) * p.v_items * p.splits, items = shrink_items + p.items;
   griddep_launch_dependents();
   griddep_wait();  // x and the sync words: the previous kernel's
   bool arrived = false, ready = false;

@@ -17,6 +17,15 @@ namespace {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// K ranges of the shrink: the most, up to kGemvMaxSplits, that cut K into whole kGemvKAlign blocks (in_dim alone
+// decides, so a row's bits never depend on its batch).
+int gemv_shrink_splits(int64_t K) {
+  const int64_t blocks = K / kGemvKAlign;
+  for (int s = kGemvMaxSplits; s > 1; --s)
+    if (blocks % s == 0) return s;
+  return 1;
+}
+
 void check_gemv_shapes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        const at::Tensor& lora_a, const at::Tensor& lora_b, at::IntArrayRef offs, const at::Tensor& out) {
   CHECK_INPUT(x);
@@ -71,6 +80,7 @@ GemvArgs make_gemv_args(const at::Tensor& x, const at::Tensor& lora_b, const at:
   p.num_slices = static_cast<int>(offs.size()) - 1;
   p.N = p.num_slices * p.R;
   p.v_items = static_cast<int>(cdiv(p.N, kGemvCols));
+  p.splits = gemv_shrink_splits(x.size(1));
   for (int i = 0; i <= kMaxSlices; ++i) p.offsets[i] = static_cast<int>(offs[std::min(i, p.num_slices)]);
   p.items = static_cast<int>(cdiv(p.out_total, kGemvCols));
   p.sync = sync;
@@ -97,7 +107,7 @@ void lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optiona
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 8, "lora_gemv: needs compute capability 8.0 or newer");
   const GemvArgs p = make_gemv_args(x, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles,
                                     sync.data_ptr<int32_t>() + 2 * sync_slot);
-  at::Tensor v = at::empty({x.size(0), p.N}, x.options().dtype(at::kFloat));
+  at::Tensor v = at::empty({p.splits, x.size(0), p.N}, x.options().dtype(at::kFloat));
   run_lora_gemv(x, weight, bias, lora_a, lora_b, v.data_ptr<float>(), out, p);
 }
 
