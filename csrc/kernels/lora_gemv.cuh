@@ -22,7 +22,6 @@
 #include <cuda_runtime.h>
 
 #include "kernels/launch.cuh"
-#include "kernels/planes.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/types.cuh"
 #include "kernels/work.cuh"
@@ -201,6 +200,35 @@ __device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready)
   ready = true;
 }
 
+// sm.vs = v summed over its planes in plane order, for the columns under each row's rank. A thread's entries are
+// loaded together (kGemvStageBatch of them, every plane), so staging costs a few L2 round trips, not one an entry.
+constexpr int kGemvStageBatch = 4;
+template <typename T>
+__device__ __forceinline__ void gemv_stage_v(GemvSmem<T>& sm, const GemvArgs& p, const float* v) {
+  const int total = p.w.num_rows * p.N;
+  const int64_t stride = int64_t{p.w.num_rows} * p.N;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kGemvStageBatch * kGemvThreads) {
+    float f[kGemvStageBatch][kGemvMaxSplits];
+    bool use[kGemvStageBatch];
+#pragma unroll
+    for (int u = 0; u < kGemvStageBatch; ++u) {
+      const int i = i0 + u * kGemvThreads, mm = i / p.N;
+      use[u] = i < total && sm.slot[mm] >= 0 && i % p.N % p.R < sm.rank[mm];
+#pragma unroll
+      for (int sp = 0; sp < kGemvMaxSplits; ++sp) f[u][sp] = use[u] && sp < p.splits ? __ldcg(v + sp * stride + i) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kGemvStageBatch; ++u) {
+      float sum = 0.f;
+#pragma unroll
+      for (int sp = 0; sp < kGemvMaxSplits; ++sp)
+        if (sp < p.splits) sum += f[u][sp];
+      const int i = i0 + u * kGemvThreads;
+      if (use[u]) sm.vs[i / p.N][i % p.N] = sum;
+    }
+  }
+}
+
 // W item: y[:, n0 .. n0 + 16) = x W[n0 ..]ᵀ (+ bias) + the LoRA of each row. Thread (m, c) of the epilogue owns
 // y[m, n0 + c].
 template <typename T, bool HI>
@@ -226,10 +254,7 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
   for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) b[c8] = ld_w16(brow + 8 * c8, 8 * c8 < rank);
   if (!ready) {  // v of every row, once per CTA: the shrink items' output
     gemv_wait_shrink(p, ready);
-    for (int i = threadIdx.x; i < M * p.N; i += kGemvThreads) {
-      const int mm = i / p.N, cc = i % p.N;
-      if (sm.slot[mm] >= 0 && cc % p.R < sm.rank[mm]) sm.vs[mm][cc] = sum_planes(v + i, int64_t{M} * p.N, p.splits);
-    }
+    gemv_stage_v(sm, p, v);
   }
   __syncthreads();  // red (and vs) complete
   float acc_y = gemv_red_sum(sm);
