@@ -5,8 +5,9 @@
 // but cuBLAS followed by a shrink and an expand costs three launches per module, and the expand re-reads and
 // re-writes y. Here W's rows are streamed once, the LoRA rides along, and y is written once.
 //
-// One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv.cu) walks one list of items, CTA c
-// taking items c, c + grid, ...: first the shrink items (work-list tile, 16 columns of v, one of `splits` K ranges:
+// One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv.cu) walks two lists of items, CTA c
+// taking W items c, c + grid, ... and shrink items from the last CTA down (those hold one W item fewer), its shrink
+// items first: the shrink items (work-list tile, 16 columns of v, one of `splits` K ranges:
 // fp32 planes of v = x Aᵀ for the tile's rows, summed in plane order where the epilogue stages v), then the W items
 // (16 rows of W, i.e. 16 columns of y, over the whole K). In every item each of the 8 warps takes one eighth of the
 // item's K for both n8 groups, with 16-byte loads that feed mma.sync directly (each lane loads 8
@@ -290,20 +291,16 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
                      const GemvArgs p) {
   __shared__ GemvSmem<T> sm;
   gemv_rows(sm, p);
-  const int shrink_items = num_tiles(p.w) * p.v_items * p.splits, items = shrink_items + p.items;
+  const int shrink_items = num_tiles(p.w) * p.v_items * p.splits;
   griddep_launch_dependents();
   griddep_wait();  // x and the sync words: the previous kernel's
-  bool arrived = false, ready = false;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    if (item < shrink_items) {
-      gemv_shrink_item<T, HI>(x, lora_a, v, sm, p, item);
-      continue;
-    }
-    if (!arrived) gemv_arrive(p);
-    arrived = true;
-    gemv_item<T, HI>(x, w, bias, lora_b, v, y, sm, p, item - shrink_items, ready);
-  }
-  if (!arrived) gemv_arrive(p);
+  // Shrink items from the last CTA down: W items go c, c + grid, ..., so the last CTAs hold one W item fewer.
+  for (int j = gridDim.x - 1 - blockIdx.x; j < shrink_items; j += gridDim.x)
+    gemv_shrink_item<T, HI>(x, lora_a, v, sm, p, j);
+  gemv_arrive(p);
+  bool ready = false;
+  for (int item = blockIdx.x; item < p.items; item += gridDim.x)
+    gemv_item<T, HI>(x, w, bias, lora_b, v, y, sm, p, item, ready);
   if (threadIdx.x == 0 && atomicAdd(p.sync + 1, 1) == static_cast<int>(gridDim.x) - 1) {
     atomicExch(p.sync, 0);  // every other CTA is out: nobody reads the words until the next launch
     atomicExch(p.sync + 1, 0);
