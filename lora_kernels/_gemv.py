@@ -25,7 +25,7 @@ from lora_kernels.batch_info import LoRABatchInfo
 MAX_ROWS = 16  # kGemvRows
 K_ALIGN = 256  # kGemvKAlign
 MAX_RANK = 64  # kGemvMaxR
-SLOTS = 4096  # sync slots per device (2 int32 words each)
+SLOTS = 1 << 16  # sync slots per device (2 int32 words each: 512 KB), enough for every module of many graphs
 
 
 class _SyncWords:

@@ -187,3 +187,22 @@ def test_falls_back_where_the_kernel_cannot_run():
                          backend="torch")
     assert rel_err(got, _reference(case, w, b)) <= TOL[torch.float32]
     assert not _gemv.backend_allows("triton") and _gemv.backend_allows(None)
+
+
+def test_sync_slots_per_stream_and_per_capture(monkeypatch):
+    """Eager calls on one stream share a slot, streams get their own, each captured call a slot for good; none
+    once every slot is taken (lora_linear then runs its fallback)."""
+    monkeypatch.setattr(_gemv, "SLOTS", 4)
+    words = _gemv._SyncWords(torch.device("cpu"))
+    assert words.words.shape == (8,) and int(words.words.abs().sum()) == 0
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    a, b = Stream(11), Stream(22)
+    assert words.slot(a, False) == words.slot(a, False) == 0
+    assert words.slot(b, False) == 1
+    assert words.slot(a, True) == 2 and words.slot(a, True) == 3  # captured: new slots, kept
+    assert words.slot(a, False) == 0  # the stream keeps its own
+    assert words.slot(Stream(33), False) is None and words.slot(a, True) is None
