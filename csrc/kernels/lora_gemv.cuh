@@ -34,7 +34,7 @@ constexpr int kGemvStep = 32;                          // K per 16-byte load of 
 constexpr int kGemvKAlign = kGemvWarps * kGemvStep;    // K must be a multiple: every warp gets whole steps
 constexpr int kGemvUnroll = 4;                         // steps whose loads are in flight together
 constexpr int kGemvMaxR = 64, kGemvMaxSplits = 8;
-constexpr int kGemvVCols = kMaxSlices * kGemvMaxR;     // v columns an item may need (its slices)
+constexpr int kGemvVCols = kMaxSlices * kGemvMaxR;     // columns of v a row may have (S * R)
 
 struct GemvArgs {
   WorkArgs w;
