@@ -5,19 +5,19 @@
 // but cuBLAS followed by a shrink and an expand costs three launches per module, and the expand re-reads and
 // re-writes y. Here W's rows are streamed once, the LoRA rides along, and y is written once.
 //
-// One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv.cu) walks two lists of items, CTA c
-// taking W items c, c + grid, ... and shrink items from the last CTA down (those hold one W item fewer), its shrink
-// items first: the shrink items (work-list tile, 16 columns of v, one of `splits` K ranges:
-// fp32 planes of v = x Aᵀ for the tile's rows, summed in plane order where the epilogue stages v), then the W items
-// (16 rows of W, i.e. 16 columns of y, over the whole K). In every item each of the 8 warps takes one eighth of the
-// item's K for both n8 groups, with 16-byte loads that feed mma.sync directly (each lane loads 8
-// consecutive k of one weight row and of x rows g and g + 8; A and B fragments use the same k permutation, so the
-// dot products are exact sums over k), and the CTA adds the eighths in order. A CTA counts itself on sync[0] once
-// its shrink items are written (release); a W item's epilogue waits once for the count to reach the grid (every CTA
-// is resident and does its shrink items before any wait, so this never deadlocks), then adds the LoRA and writes y.
-// The last CTA out resets sync for the next launch (which reads it only past griddep_wait or in stream order).
-// Bits: every sum's order is fixed by shapes only (the K ranges and eighths, the MMA chains, j in order), and a row's values
-// come from that row's data alone: batch-invariant for any rows <= kGemvRows. Raw pointers; no torch headers.
+// One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv.cu) walks two lists of items, each
+// CTA its shrink items first. Shrink items (work-list tile, 16 columns of v, one of `splits` K ranges: fp32 planes of
+// v = x Aᵀ for the tile's rows, summed in plane order where the epilogue stages v) are dealt from the last CTA down;
+// W items (16 rows of W, i.e. 16 columns of y, over the whole K) go to CTA c as c, c + grid, ..., so the last CTAs
+// hold one W item fewer. In every item each of the 8 warps takes one eighth of the item's K for both n8 groups, with
+// 16-byte loads that feed mma.sync directly (each lane loads 8 consecutive k of one weight row and of x rows g and
+// g + 8; A and B fragments use the same k permutation, so the dot products are exact sums over k), and the CTA adds
+// the eighths in order. A CTA counts itself on sync[0] once its shrink items are written (release); a W item's
+// epilogue waits once for the count to reach the grid (every CTA is resident and does its shrink items before any
+// wait, so this never deadlocks), then adds the LoRA and writes y. The last CTA out resets sync for the next launch
+// (which reads it only past griddep_wait or in stream order).
+// Bits: every sum's order is fixed by shapes only (the K ranges and eighths, the MMA chains, j in order), and a
+// row's values come from that row's data alone: batch-invariant for any rows <= kGemvRows. Raw pointers; no torch.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -217,7 +217,8 @@ __device__ __forceinline__ void gemv_stage_v(GemvSmem<T>& sm, const GemvArgs& p,
       const int i = i0 + u * kGemvThreads, mm = i / p.N;
       use[u] = i < total && sm.slot[mm] >= 0 && i % p.N % p.R < sm.rank[mm];
 #pragma unroll
-      for (int sp = 0; sp < kGemvMaxSplits; ++sp) f[u][sp] = use[u] && sp < p.splits ? __ldcg(v + sp * stride + i) : 0.f;
+      for (int sp = 0; sp < kGemvMaxSplits; ++sp)
+        f[u][sp] = use[u] && sp < p.splits ? __ldcg(v + sp * stride + i) : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kGemvStageBatch; ++u) {

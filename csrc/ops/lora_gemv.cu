@@ -27,7 +27,8 @@ int gemv_shrink_splits(int64_t K) {
 }
 
 void check_gemv_shapes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       const at::Tensor& lora_a, const at::Tensor& lora_b, at::IntArrayRef offs, const at::Tensor& out) {
+                       const at::Tensor& lora_a, const at::Tensor& lora_b, at::IntArrayRef offs,
+                       const at::Tensor& out) {
   CHECK_INPUT(x);
   CHECK_DIM(2, x);  // [T, in_dim]
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
