@@ -10,36 +10,12 @@ bad inputs. CPU: the mode's fallback where the kernel cannot run.
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import lora_kernels as lk
-from cases import TOL, make_case, make_info, rel_err, rowloop_expand, rowloop_shrink
+from cases import TOL, make_case, make_info, rel_err
 from lora_kernels import _gemv
-
-
-def _poison_stale(case):
-    """NaN in every weight entry past each slot's rank: the kernel must never let it reach an output."""
-    R = case.max_rank
-    for slot, r in enumerate(case.ranks):
-        for i in range(case.num_slices):
-            case.lora_a[slot, i * R + r:(i + 1) * R] = float("nan")
-        case.lora_b[slot, :, r:] = float("nan")
-    return case
-
-
-def _layer(case, seed: int, bias: bool):
-    g = torch.Generator().manual_seed(seed)
-    in_dim, out_total = case.x.shape[1], case.slice_offsets[-1]
-    w = torch.randn(out_total, in_dim, generator=g, dtype=torch.float64) * in_dim ** -0.5
-    b = torch.randn(out_total, generator=g, dtype=torch.float64) if bias else None
-    dev, dt = case.x.device, case.x.dtype
-    return w.to(dt).to(dev), None if b is None else b.to(dt).to(dev)
-
-
-def _reference(case, w, b):
-    base = F.linear(case.x.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu())
-    v, _ = rowloop_shrink(case)
-    return rowloop_expand(case, torch.nan_to_num(v), base)
+from test_cuda_backend import _poison_stale
+from test_lora_linear import _layer, _reference
 
 
 GPU_CASES = {  # name: make_case kwargs (in_dim a multiple of 256)
@@ -61,7 +37,7 @@ def test_gpu_matches_reference(name, dtype, bias):
     kw = dict(GPU_CASES[name])
     kw.setdefault("max_rank", 16)
     case = _poison_stale(make_case(rng, dtype=dtype, device="cuda", **kw))
-    w, b = _layer(case, int(rng.integers(2**31)), bias)
+    w, b = _layer(case, rng, bias)
     out = torch.full((case.x.shape[0], case.slice_offsets[-1]), float("nan"), dtype=dtype, device="cuda")
     assert _gemv.run(case.x, w, b, case.lora_a, case.lora_b, case.info, case.slice_offsets, out)
     torch.cuda.synchronize()
@@ -181,7 +157,7 @@ def test_falls_back_where_the_kernel_cannot_run():
     """On the CPU (or with another backend named) mode "gemv" runs "delta": the same values as serial."""
     rng = np.random.default_rng(34)
     case = make_case(rng, seg_lens=(2, 3), slice_widths=(24, 8), in_dim=32)
-    w, b = _layer(case, 5, True)
+    w, b = _layer(case, rng, True)
     assert not _gemv.supports(case.x, w, b, case.lora_a, case.lora_b, case.info)
     got = lk.lora_linear(case.x, w, case.lora_a, case.lora_b, case.info, case.slice_offsets, bias=b, mode="gemv",
                          backend="torch")

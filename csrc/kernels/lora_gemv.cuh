@@ -48,7 +48,6 @@ struct GemvArgs {
   int* sync;                           // [2]: CTAs past their shrink items, CTAs out
 };
 
-template <typename T>
 struct alignas(16) GemvSmem {
   float red[kGemvWarps][kGemvRows][kGemvCols];  // the warps' partial sums over their eighth of K
   float vs[kGemvRows][kGemvVCols];              // v of every row (staged once per CTA)
@@ -111,8 +110,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&
 }
 
 // The CTA's partial sums (the 8 warps' eighths of K, in red) of thread (m, c) = threadIdx.x / 16, % 16, in order.
-template <typename T>
-__device__ __forceinline__ void gemv_red_store(GemvSmem<T>& sm, const float (&acc)[2][4]) {
+__device__ __forceinline__ void gemv_red_store(GemvSmem& sm, const float (&acc)[2][4]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -120,8 +118,7 @@ __device__ __forceinline__ void gemv_red_store(GemvSmem<T>& sm, const float (&ac
     *reinterpret_cast<float2*>(&sm.red[warp][g + 8][8 * h + 2 * q]) = make_float2(acc[h][2], acc[h][3]);
   }
 }
-template <typename T>
-__device__ __forceinline__ float gemv_red_sum(const GemvSmem<T>& sm) {
+__device__ __forceinline__ float gemv_red_sum(const GemvSmem& sm) {
   float s = 0.f;
 #pragma unroll
   for (int k = 0; k < kGemvWarps; ++k) s += sm.red[k][threadIdx.x / kGemvCols][threadIdx.x % kGemvCols];
@@ -133,7 +130,7 @@ __device__ __forceinline__ float gemv_red_sum(const GemvSmem<T>& sm) {
 // the shrink is spread over every CTA before their W items (a whole-K item measured a tail: 16 of them at down
 // beside 256 W items ran two item times on 8 CTAs). CTA-uniform control flow: the tile is the same for every thread.
 template <typename T, bool HI>
-__device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem<T>& sm, const GemvArgs& p,
+__device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem& sm, const GemvArgs& p,
                                  int item) {
   const TileInfo ti = load_tile(p.w, item / (p.v_items * p.splits), p.R);
   const int c0 = item / p.splits % p.v_items * kGemvCols, split = item % p.splits;
@@ -158,19 +155,9 @@ __device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem
   __syncthreads();  // red is free for the next item
 }
 
-// The slice holding column n (the last non-empty slice starting at or before it).
-__device__ __forceinline__ int gemv_slice(const GemvArgs& p, int n) {
-  int s = 0;
-#pragma unroll
-  for (int k = 1; k < kMaxSlices; ++k)
-    if (k < p.num_slices && n >= p.offsets[k]) s = k;
-  return s;
-}
-
 // Per row of x: its slot, rank and scaling from the work list (slot -1: the base alone). Batch metadata: no kernel
 // writes it, so this runs before griddep_wait.
-template <typename T>
-__device__ void gemv_rows(GemvSmem<T>& sm, const GemvArgs& p) {
+__device__ __forceinline__ void gemv_rows(GemvSmem& sm, const GemvArgs& p) {
   if (threadIdx.x < kGemvRows) sm.slot[threadIdx.x] = -1;
   __syncthreads();
   for (int t = threadIdx.x; t < num_tiles(p.w); t += kGemvThreads) {
@@ -205,8 +192,7 @@ __device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready)
 // sm.vs = v summed over its planes in plane order, for the columns under each row's rank. A thread's entries are
 // loaded together (kGemvStageBatch of them, every plane), so staging costs a few L2 round trips, not one an entry.
 constexpr int kGemvStageBatch = 4;
-template <typename T>
-__device__ __forceinline__ void gemv_stage_v(GemvSmem<T>& sm, const GemvArgs& p, const float* v) {
+__device__ __forceinline__ void gemv_stage_v(GemvSmem& sm, const GemvArgs& p, const float* v) {
   const int total = p.w.num_rows * p.N;
   const int64_t stride = int64_t{p.w.num_rows} * p.N;
   for (int i0 = threadIdx.x; i0 < total; i0 += kGemvStageBatch * kGemvThreads) {
@@ -236,7 +222,7 @@ __device__ __forceinline__ void gemv_stage_v(GemvSmem<T>& sm, const GemvArgs& p,
 // y[m, n0 + c].
 template <typename T, bool HI>
 __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b, const float* v, T* y,
-                          GemvSmem<T>& sm, const GemvArgs& p, int item, bool& ready) {
+                          GemvSmem& sm, const GemvArgs& p, int item, bool& ready) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4, M = p.w.num_rows;
   const int n0 = item * kGemvCols, steps = p.K / kGemvStep / kGemvWarps;
   const int64_t k0 = int64_t{warp} * steps * kGemvStep + 8 * q;
@@ -263,7 +249,7 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
   float acc_y = gemv_red_sum(sm);
   if (mine && bias) acc_y += to_float(bias[n]);
   if (slot >= 0) {
-    const float* vrow = &sm.vs[m][gemv_slice(p, n) * p.R];
+    const float* vrow = &sm.vs[m][slice_at(p.offsets, p.num_slices, n) * p.R];
     float delta = 0.f;
 #pragma unroll
     for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) {
@@ -291,7 +277,7 @@ template <typename T, bool HI>
 __global__ void __launch_bounds__(kGemvThreads, 2)
     lora_gemv_kernel(const T* x, const T* w, const T* bias, const T* lora_a, const T* lora_b, float* v, T* y,
                      const GemvArgs p) {
-  __shared__ GemvSmem<T> sm;
+  __shared__ GemvSmem sm;
   gemv_rows(sm, p);
   const int shrink_items = num_tiles(p.w) * p.v_items * p.splits;
   griddep_launch_dependents();

@@ -99,14 +99,19 @@ __device__ __forceinline__ int pick(const int (&a)[kMaxSlices + 1], int i) {
   return r;
 }
 
-// The slice holding column tile ct: the largest k < num_slices with tile_start[k] <= ct (empty slices
-// have no tiles: the next slice starts at the same tile).
-__device__ __forceinline__ int slice_of(const ExpandArgs& p, int ct) {
+// The slice holding position i, given each slice's first position (start[k], k < num_slices): the largest such k
+// with start[k] <= i (an empty slice starts where the next one does, so it is never the answer).
+__device__ __forceinline__ int slice_at(const int (&start)[kMaxSlices + 1], int num_slices, int i) {
   int s = 0;
 #pragma unroll
   for (int k = 1; k < kMaxSlices; ++k)
-    if (k < p.num_slices && ct >= p.tile_start[k]) s = k;
+    if (k < num_slices && i >= start[k]) s = k;
   return s;
+}
+
+// The slice holding column tile ct.
+__device__ __forceinline__ int slice_of(const ExpandArgs& p, int ct) {
+  return slice_at(p.tile_start, p.num_slices, ct);
 }
 
 }  // namespace lora_kernels

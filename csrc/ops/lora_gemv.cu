@@ -15,8 +15,6 @@
 namespace lora_kernels {
 namespace {
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // K ranges of the shrink: the most, up to kGemvMaxSplits, that cut K into whole kGemvKAlign blocks (in_dim alone
 // decides, so a row's bits never depend on its batch).
 int gemv_shrink_splits(int64_t K) {
@@ -26,11 +24,10 @@ int gemv_shrink_splits(int64_t K) {
   return 1;
 }
 
+// What lora_gemv needs beyond sgmv_apply's checks (check_apply_args): its dtypes, rows, in_dim, rank and alignment,
+// and the base layer's weight and bias.
 void check_gemv_shapes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       const at::Tensor& lora_a, const at::Tensor& lora_b, at::IntArrayRef offs,
-                       const at::Tensor& out) {
-  CHECK_INPUT(x);
-  CHECK_DIM(2, x);  // [T, in_dim]
+                       const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& out) {
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "lora_gemv: x must be float16 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.size(0) <= kGemvRows, "lora_gemv: x must have at most ", kGemvRows, " rows, got shape ", x.sizes());
@@ -50,14 +47,9 @@ void check_gemv_shapes(const at::Tensor& x, const at::Tensor& weight, const std:
     TORCH_CHECK(bias->size(0) == weight.size(0), "lora_gemv: bias must have shape [", weight.size(0), "], got ",
                 bias->sizes());
   }
-  CHECK_SAME_DEVICE(out, x);
-  CHECK_DTYPE(out, x.scalar_type());
-  TORCH_CHECK(out.size(0) == x.size(0), "lora_gemv: out has ", out.size(0), " rows but x has ", x.size(0));
-  const int64_t R = lora_b.size(2), S = static_cast<int64_t>(offs.size()) - 1;
+  const int64_t R = lora_b.size(2);
   TORCH_CHECK(R % 8 == 0 && R <= kGemvMaxR, "lora_gemv: the pool rank R=lora_b.shape[2] must be a multiple of 8 up to ",
               kGemvMaxR, ", got lora_b shape ", lora_b.sizes());
-  TORCH_CHECK(lora_a.size(1) == S * R, "lora_gemv: lora_a has ", lora_a.size(1), " rows but num_slices*R = ", S, "*",
-              R);
   for (const at::Tensor* t : {&x, &weight, &lora_a, &lora_b})
     TORCH_CHECK(aligned16(t->data_ptr()), "lora_gemv: tensors must start 16-byte aligned (shape ", t->sizes(), ")");
 }
@@ -67,13 +59,7 @@ GemvArgs make_gemv_args(const at::Tensor& x, const at::Tensor& lora_b, const at:
                         const std::optional<at::Tensor>& perm, at::IntArrayRef offs, int64_t max_tiles,
                         int* sync) {
   GemvArgs p{};
-  p.w.work = work.data_ptr<int32_t>();
-  p.w.lora_ranks = lora_ranks.data_ptr<int32_t>();
-  p.w.perm = perm ? perm->data_ptr<int32_t>() : nullptr;
-  p.w.max_tiles = static_cast<int>(max_tiles);
-  p.w.num_slots = static_cast<int>(lora_ranks.numel());
-  p.w.perm_len = perm ? static_cast<int>(perm->numel()) : 0;
-  p.w.num_rows = static_cast<int>(x.size(0));
+  p.w = make_work(work, lora_ranks, perm, max_tiles, x.size(0));
   p.scalings = scalings.data_ptr<float>();
   p.K = static_cast<int>(x.size(1));
   p.out_total = static_cast<int>(lora_b.size(1));
@@ -96,7 +82,7 @@ void lora_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optiona
                at::IntArrayRef slice_offsets, int64_t max_tiles, at::Tensor& sync, int64_t sync_slot,
                at::Tensor& out) {
   check_apply_args(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out);
-  check_gemv_shapes(x, weight, bias, lora_a, lora_b, slice_offsets, out);
+  check_gemv_shapes(x, weight, bias, lora_a, lora_b, out);
   CHECK_INPUT(sync);
   CHECK_DIM(1, sync);
   CHECK_SAME_DEVICE(sync, x);

@@ -25,9 +25,22 @@ bool pdl_enabled() {
   return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
-namespace {
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+WorkArgs make_work(const at::Tensor& work, const at::Tensor& lora_ranks, const std::optional<at::Tensor>& perm,
+                   int64_t max_tiles, int64_t rows) {
+  WorkArgs w{};
+  w.work = work.data_ptr<int32_t>();
+  w.lora_ranks = lora_ranks.data_ptr<int32_t>();
+  w.perm = perm ? perm->data_ptr<int32_t>() : nullptr;
+  w.max_tiles = static_cast<int>(max_tiles);
+  w.num_slots = static_cast<int>(lora_ranks.numel());
+  w.perm_len = perm ? static_cast<int>(perm->numel()) : 0;
+  w.num_rows = static_cast<int>(rows);
+  return w;
+}
+
+namespace {
 
 // The one-launch path: sgmv_apply takes it only with LORA_KERNELS_CUDA_FUSED=1 (on the H200 it measured slower than
 // the two launches on the GPU: bench/RESULTS.md, tenth session); sgmv_linear where its caller asks (one_launch, the
@@ -64,18 +77,6 @@ void check_work(const at::Tensor& ref, const at::Tensor& work, const at::Tensor&
   }
 }
 
-WorkArgs make_work(const at::Tensor& work, const at::Tensor& lora_ranks, const std::optional<at::Tensor>& perm,
-                   int64_t max_tiles, int64_t rows) {
-  WorkArgs w{};
-  w.work = work.data_ptr<int32_t>();
-  w.lora_ranks = lora_ranks.data_ptr<int32_t>();
-  w.perm = perm ? perm->data_ptr<int32_t>() : nullptr;
-  w.max_tiles = static_cast<int>(max_tiles);
-  w.num_slots = static_cast<int>(lora_ranks.numel());
-  w.perm_len = perm ? static_cast<int>(perm->numel()) : 0;
-  w.num_rows = static_cast<int>(rows);
-  return w;
-}
 
 void check_shrink_args(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_ranks,
                        int64_t num_slices) {

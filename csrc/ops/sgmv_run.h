@@ -21,6 +21,13 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
 bool run_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, at::Tensor& out,
                const ShrinkArgs& sp, const ExpandArgs& ep, bool pdl);
 
+// Whether p starts 16-byte aligned (the tensor-core paths' vector loads need it).
+bool aligned16(const void* p);
+
+// The batch as the kernels read it (kernels/work.cuh): the work list, ranks, optional permutation, rows of x.
+WorkArgs make_work(const at::Tensor& work, const at::Tensor& lora_ranks, const std::optional<at::Tensor>& perm,
+                   int64_t max_tiles, int64_t rows);
+
 // Programmatic dependent launch for this call: an sm_90+ device and LORA_KERNELS_PDL != 0 (ops/sgmv.cu).
 bool pdl_enabled();
 
