@@ -109,6 +109,21 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&
   }
 }
 
+// Before griddep_wait, each warp prefetches to L2 the first kGemvPrefetchLines 128-byte lines of its eighth of
+// each row of its CTA's first W item: W is no kernel's output, so its first reads overlap the previous kernel's tail
+// instead of following it (H100, one row: o 17.0 -> 15.0 µs, down 45.9 -> 43.1; 8 or 16 lines were slower).
+constexpr int kGemvPrefetchLines = 4;
+template <typename T>
+__device__ __forceinline__ void gemv_prefetch_item(const T* w, const GemvArgs& p, int item) {
+  if (item >= p.items) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, steps = p.K / kGemvStep / kGemvWarps;
+  const int n = min(item * kGemvCols + lane / 2, p.out_total - 1);  // two lanes a row
+  const T* row = w + int64_t{n} * p.K + int64_t{warp} * steps * kGemvStep;
+  const int lines = min(kGemvPrefetchLines, steps * kGemvStep * int(sizeof(T)) / 128);
+  for (int l = lane % 2; l < lines; l += 2)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + l * (128 / sizeof(T))));
+}
+
 // The CTA's partial sums (the 8 warps' eighths of K, in red) of thread (m, c) = threadIdx.x / 16, % 16, in order.
 __device__ __forceinline__ void gemv_red_store(GemvSmem& sm, const float (&acc)[2][4]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -280,6 +295,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   __shared__ GemvSmem sm;
   gemv_rows(sm, p);
   const int shrink_items = num_tiles(p.w) * p.v_items * p.splits;
+  gemv_prefetch_item(w, p, blockIdx.x);
   griddep_launch_dependents();
   griddep_wait();  // x and the sync words: the previous kernel's
   // Shrink items from the last CTA down: W items go c, c + grid, ..., so the last CTAs hold one W item fewer.
