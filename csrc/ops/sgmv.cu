@@ -77,7 +77,6 @@ void check_work(const at::Tensor& ref, const at::Tensor& work, const at::Tensor&
   }
 }
 
-
 void check_shrink_args(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_ranks,
                        int64_t num_slices) {
   CHECK_INPUT(x);

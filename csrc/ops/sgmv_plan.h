@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/lora_gemv.cuh"
 #include "kernels/sgmv_expand_mma.cuh"
 #include "kernels/sgmv_expand_stream.cuh"
 #include "kernels/sgmv_expand_tall.cuh"

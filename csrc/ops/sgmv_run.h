@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/all.h>
 
+#include "kernels/lora_gemv.cuh"
 #include "ops/sgmv_plan.h"
 
 namespace lora_kernels {
