@@ -25,6 +25,10 @@ GPU_CASES = {  # name: make_case kwargs (in_dim a multiple of 256)
     "permuted_padded": dict(seg_lens=(2, 1, 3, 0, 4), slice_widths=(136, 24, 24, 40), in_dim=1024, permute=True,
                             extra_rows=5),
     "wide_k_rank64": dict(seg_lens=(3, 4), slice_widths=(200,), in_dim=3584, max_rank=64),
+    # Several W items per CTA (a grid holds at most a few hundred CTAs), an odd out_total; 16 rows at rank 64.
+    "many_items_odd": dict(seg_lens=(2, 3, 1), slice_widths=(9000, 2049, 3001), in_dim=256),
+    "many_items_sixteen": dict(seg_lens=(1,) * 16, slice_widths=(7168, 7168), in_dim=512, num_slots=16,
+                               max_rank=64),
 }
 
 
@@ -84,6 +88,29 @@ def test_gpu_batch_invariance_across_sizes():
     for y in outs[1:]:
         assert torch.equal(y, outs[0])
     assert torch.equal(y1[0], outs[0][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [5, 13])
+def test_gpu_later_items_have_the_first_items_bits(T):
+    """A 16-column block of y has the same bits as the only W item of a launch over those 16 columns, wherever it
+    falls in a wide launch: a CTA's first W item (whose epilogue waits for the shrink and stages v) or a later one."""
+    rng = np.random.default_rng(33 + T)
+    dtype, items = torch.bfloat16, 1000
+    if 2 * torch.cuda.get_device_properties(0).multi_processor_count >= items:
+        pytest.skip("the grid would give every CTA a single item")
+    w, a, b, ranks, scal, offs = _problem(rng, dtype, in_dim=512, widths=(16 * items,))
+    bias = torch.randn(w.shape[0], device="cuda").to(dtype)
+    x = torch.randn(T, w.shape[1], device="cuda").to(dtype)
+    info = make_info([1] * T, [int(s) for s in rng.integers(-1, 8, T)], None, ranks, scal, "cuda")
+    y = torch.full((T, w.shape[0]), float("nan"), dtype=dtype, device="cuda")
+    assert _gemv.run(x, w, bias, a, b, info, offs, y)
+    for blk in (0, 1, items // 2, items - 1):
+        cols = slice(16 * blk, 16 * blk + 16)
+        alone = torch.full((T, 16), float("nan"), dtype=dtype, device="cuda")
+        assert _gemv.run(x, w[cols].contiguous(), bias[cols].contiguous(), a, b[:, cols].contiguous(), info, (0, 16),
+                         alone)
+        assert torch.equal(alone, y[:, cols]), blk
 
 
 @pytest.mark.gpu
