@@ -2,7 +2,8 @@
 
 GPU (marked gpu): against a float64 ground truth (x Wᵀ + bias + the per-row LoRA loop) with NaN-poisoned
 weights past each slot's rank and a NaN-poisoned out, 1..16 rows, permuted rows, rows of slot -1 and rows outside
-every segment, bf16 and fp16, ranks 8..64, unequal slices, several W items per CTA; bitwise batch invariance across
+every segment, bf16 and fp16, ranks 8..64, unequal slices, several W items per CTA, x staged in shared memory
+(past 8 rows at ranks up to 32) and x too wide for it; bitwise batch invariance across
 batch sizes, positions and companions, and a column block's bits wherever it falls in the launch; graph replay equal
 to eager, with no host sync; the sync words back at zero after every launch; bad inputs. CPU: the mode's fallback
 where the kernel cannot run.
@@ -30,6 +31,8 @@ GPU_CASES = {  # name: make_case kwargs (in_dim a multiple of 256)
     "many_items_odd": dict(seg_lens=(2, 3, 1), slice_widths=(9000, 2049, 3001), in_dim=256),
     "many_items_sixteen": dict(seg_lens=(1,) * 16, slice_widths=(7168, 7168), in_dim=512, num_slots=16,
                                max_rank=64),
+    # 16 rows at a small rank with x too wide for shared memory (16 x 6144 bf16): the path that reads x through L1.
+    "wide_k_sixteen": dict(seg_lens=(1,) * 16, slice_widths=(264, 40), in_dim=6144, num_slots=16),
 }
 
 

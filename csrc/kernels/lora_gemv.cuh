@@ -12,10 +12,13 @@
 // hold one W item fewer. In every item each of the 8 warps takes one eighth of the item's K for both n8 groups, with
 // 16-byte loads that feed mma.sync directly (each lane loads 8 consecutive k of one weight row and of x rows g and
 // g + 8; A and B fragments use the same k permutation, so the dot products are exact sums over k), and the CTA adds
-// the eighths in order. A CTA counts itself on sync[0] once its shrink items are written (release); a W item's
-// epilogue waits once for the count to reach the grid (every CTA is resident and does its shrink items before any
-// wait, so this never deadlocks), then adds the LoRA and writes y. The last CTA out resets sync for the next launch
-// (which reads it only past griddep_wait or in stream order).
+// the eighths in order. A CTA (a team, below) counts itself on sync[0] once its shrink items are written (release); a
+// W item's epilogue waits once for the count to reach the grid (every CTA is resident and does its shrink items
+// before any wait, so this never deadlocks), then adds the LoRA and writes y. The last CTA out resets sync for the
+// next launch (which reads it only past griddep_wait or in stream order).
+// Past 8 rows (HI) at small ranks, x (16 rows x K, K up to about 5.6K in 227 KB) is staged once per SM in shared
+// memory (XS): one CTA of two teams of 8 warps an SM, each team walking items as a CTA does without XS. x read again
+// through L1 by every item cost its L2 traffic twice W's (ncu, gate_up: 377 MB read from L2 against 264 MB).
 // Bits: every sum's order is fixed by shapes only (the K ranges and eighths, the MMA chains, j in order), and a
 // row's values come from that row's data alone: batch-invariant for any rows <= kGemvRows. Raw pointers; no torch.
 #pragma once
@@ -34,8 +37,22 @@ constexpr int kGemvStep = 32;                          // K per 16-byte load of 
 constexpr int kGemvKAlign = kGemvWarps * kGemvStep;    // K must be a multiple: every warp gets whole steps
 constexpr int kGemvUnroll = 4;                         // steps whose loads are in flight together
 constexpr int kGemvMaxR = 64, kGemvMaxSplits = 8;
-constexpr int kGemvCarveoutPct = 25;                   // of the SM's shared memory: 2 CTAs' static shared memory
+constexpr int kGemvCarveoutPct = 25;                   // of the SM's shared memory (no XS): 2 CTAs' GemvSmem
 constexpr int kGemvVCols = kMaxSlices * kGemvMaxR;     // columns of v a row may have (S * R)
+constexpr int kGemvXsPad = 32;   // elements after each x row staged in shared memory: rows g, g+1 hit other banks
+constexpr int kGemvXsMaxR = 32;  // XS (x in shared memory) up to this pool rank: measured slower at 64
+
+// A team is kGemvWarps warps that walk the items together: the whole CTA, or (XS: x staged in shared memory, one
+// CTA an SM) half of it, so that two teams share one copy of x as two CTAs of an SM did x's L1 lines.
+__device__ __forceinline__ int gemv_tid() { return threadIdx.x % kGemvThreads; }
+template <int TEAMS>
+__device__ __forceinline__ void gemv_sync() {
+  if constexpr (TEAMS == 1)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + static_cast<int>(threadIdx.x / kGemvThreads)), "n"(kGemvThreads)
+                 : "memory");
+}
 
 struct GemvArgs {
   WorkArgs w;
@@ -81,7 +98,9 @@ __device__ __forceinline__ void mma_step(float (&acc)[4], const uint4& lo, const
 
 // acc[h] += x[rows] · wrow[h] over `steps` steps from the pointers (each already at the lane's first k).
 // HI: x rows 8..15 may exist (more than 8 rows); else their fragments are constant zeros, without loads.
-template <typename T, bool HI>
+// XS: x is in shared memory; only W's loads are batched, x's are read at their MMAs (the same k order and MMA
+// chain, so the same bits).
+template <typename T, bool HI, bool XS>
 __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&wp)[2], const bool (&wok)[2],
                                            const T* xl, bool lok, const T* xh, bool hok, int steps) {
   constexpr int H = 2;
@@ -93,13 +112,21 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&
       const int k = (s + u) * kGemvStep;
 #pragma unroll
       for (int h = 0; h < H; ++h) w[u][h] = ld_w16(wp[h] + k, wok[h]);
-      lo[u] = ld_x16(xl + k, lok);
-      hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+      if (!XS) {
+        lo[u] = ld_x16(xl + k, lok);
+        hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u)
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      if (XS) {
+        const int k = (s + u) * kGemvStep;
+        lo[u] = ld_x16(xl + k, lok);
+        hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
       for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo[u], hi[u], w[u][h]);
+    }
   }
   for (; s < steps; ++s) {
     const int k = s * kGemvStep;
@@ -110,7 +137,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&
 }
 
 // This warp's first k in a K range of `range` elements: the warps take consecutive eighths of it.
-__device__ __forceinline__ int64_t gemv_warp_k(int range) { return int64_t{threadIdx.x / 32} * (range / kGemvWarps); }
+__device__ __forceinline__ int64_t gemv_warp_k(int range) { return int64_t{gemv_tid() / 32} * (range / kGemvWarps); }
 
 // Before griddep_wait, each warp prefetches to L2 the first kGemvPrefetchLines 128-byte lines of its eighth of
 // each row of its CTA's first W item: W is no kernel's output, so its first reads overlap the previous kernel's tail
@@ -129,7 +156,7 @@ __device__ __forceinline__ void gemv_prefetch_item(const T* w, const GemvArgs& p
 
 // The CTA's partial sums (the 8 warps' eighths of K, in red) of thread (m, c) = threadIdx.x / 16, % 16, in order.
 __device__ __forceinline__ void gemv_red_store(GemvSmem& sm, const float (&acc)[2][4]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int warp = gemv_tid() / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     *reinterpret_cast<float2*>(&sm.red[warp][g][8 * h + 2 * q]) = make_float2(acc[h][0], acc[h][1]);
@@ -139,7 +166,7 @@ __device__ __forceinline__ void gemv_red_store(GemvSmem& sm, const float (&acc)[
 __device__ __forceinline__ float gemv_red_sum(const GemvSmem& sm) {
   float s = 0.f;
 #pragma unroll
-  for (int k = 0; k < kGemvWarps; ++k) s += sm.red[k][threadIdx.x / kGemvCols][threadIdx.x % kGemvCols];
+  for (int k = 0; k < kGemvWarps; ++k) s += sm.red[k][gemv_tid() / kGemvCols][gemv_tid() % kGemvCols];
   return s;
 }
 
@@ -147,9 +174,8 @@ __device__ __forceinline__ float gemv_red_sum(const GemvSmem& sm) {
 // over the range (8-column groups past the rank skipped: their columns are never read). The K ranges are short, so
 // the shrink is spread over every CTA before their W items (a whole-K item measured a tail: 16 of them at down
 // beside 256 W items ran two item times on 8 CTAs). CTA-uniform control flow: the tile is the same for every thread.
-template <typename T, bool HI>
-__device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem& sm, const GemvArgs& p,
-                                 int item) {
+template <typename T, bool HI, int TEAMS>
+__device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem& sm, const GemvArgs& p, int item) {
   const TileInfo ti = load_tile(p.w, item / (p.v_items * p.splits), p.R);
   const int c0 = item / p.splits % p.v_items * kGemvCols, split = item % p.splits;
   bool wok[2];
@@ -163,22 +189,23 @@ __device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem
                           lora_a + (int64_t{ti.slot} * p.N + min(c0 + 8 + g, p.N - 1)) * p.K + k0};
   const int rlo = tile_row(p.w, ti, g), rhi = tile_row(p.w, ti, g + 8);
   float acc[2][4] = {};
-  gemv_steps<T, HI>(acc, wp, wok, x + int64_t{max(rlo, 0)} * p.K + k0, rlo >= 0, x + int64_t{max(rhi, 0)} * p.K + k0,
-                    rhi >= 0, steps);
+  gemv_steps<T, HI, false>(acc, wp, wok, x + int64_t{max(rlo, 0)} * p.K + k0, rlo >= 0,
+                           x + int64_t{max(rhi, 0)} * p.K + k0, rhi >= 0, steps);
   gemv_red_store(sm, acc);
-  __syncthreads();
-  const int row = tile_row(p.w, ti, threadIdx.x / kGemvCols), c = c0 + threadIdx.x % kGemvCols;
+  gemv_sync<TEAMS>();
+  const int row = tile_row(p.w, ti, gemv_tid() / kGemvCols), c = c0 + gemv_tid() % kGemvCols;
   const float sum = gemv_red_sum(sm);
   if (row >= 0 && c < p.N) v[(int64_t{split} * p.w.num_rows + row) * p.N + c] = sum;
-  __syncthreads();  // red is free for the next item
+  gemv_sync<TEAMS>();  // red is free for the next item
 }
 
 // Per row of x: its slot, rank and scaling from the work list (slot -1: the base alone). Batch metadata: no kernel
 // writes it, so this runs before griddep_wait.
+template <int TEAMS>
 __device__ __forceinline__ void gemv_rows(GemvSmem& sm, const GemvArgs& p) {
-  if (threadIdx.x < kGemvRows) sm.slot[threadIdx.x] = -1;
-  __syncthreads();
-  for (int t = threadIdx.x; t < num_tiles(p.w); t += kGemvThreads) {
+  if (gemv_tid() < kGemvRows) sm.slot[gemv_tid()] = -1;
+  gemv_sync<TEAMS>();
+  for (int t = gemv_tid(); t < num_tiles(p.w); t += kGemvThreads) {
     const TileInfo ti = load_tile(p.w, t, p.R);
     if (ti.slot < 0) continue;
     for (int i = 0; i < ti.rows; ++i) {
@@ -189,21 +216,23 @@ __device__ __forceinline__ void gemv_rows(GemvSmem& sm, const GemvArgs& p) {
       sm.scale[row] = p.scalings[ti.slot];
     }
   }
-  __syncthreads();
+  gemv_sync<TEAMS>();
 }
 
-// Waits until every CTA of the grid has written its shrink items (thread 0 spins; the barrier orders the rest).
+// Waits until every team of the grid has written its shrink items (one thread spins; the barrier orders the rest).
+template <int TEAMS>
 __device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready) {
   if (ready) return;
-  if (threadIdx.x == 0) {
+  if (gemv_tid() == 0) {
+    const int teams = static_cast<int>(gridDim.x) * TEAMS;
     int seen;
     do {
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(p.sync) : "memory");
-      if (seen < static_cast<int>(gridDim.x)) __nanosleep(64);
-    } while (seen < static_cast<int>(gridDim.x));
+      if (seen < teams) __nanosleep(64);
+    } while (seen < teams);
     __threadfence();
   }
-  __syncthreads();
+  gemv_sync<TEAMS>();
   ready = true;
 }
 
@@ -213,7 +242,7 @@ constexpr int kGemvStageBatch = 4;
 __device__ __forceinline__ void gemv_stage_v(GemvSmem& sm, const GemvArgs& p, const float* v) {
   const int total = p.w.num_rows * p.N;
   const int64_t stride = int64_t{p.w.num_rows} * p.N;
-  for (int i0 = threadIdx.x; i0 < total; i0 += kGemvStageBatch * kGemvThreads) {
+  for (int i0 = gemv_tid(); i0 < total; i0 += kGemvStageBatch * kGemvThreads) {
     float f[kGemvStageBatch][kGemvMaxSplits];
     bool use[kGemvStageBatch];
 #pragma unroll
@@ -236,34 +265,34 @@ __device__ __forceinline__ void gemv_stage_v(GemvSmem& sm, const GemvArgs& p, co
   }
 }
 
-// W item: y[:, n0 .. n0 + 16) = x W[n0 ..]ᵀ (+ bias) + the LoRA of each row. Thread (m, c) of the epilogue owns
-// y[m, n0 + c].
-template <typename T, bool HI>
-__device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b, const float* v, T* y,
-                          GemvSmem& sm, const GemvArgs& p, int item, bool& ready) {
+// XS: x in shared memory (row stride xstride); else in global memory.
+template <typename T, bool HI, bool XS>
+__device__ void gemv_item(const T* x, int64_t xstride, const T* w, const T* bias, const T* lora_b, const float* v,
+                          T* y, GemvSmem& sm, const GemvArgs& p, int item, bool& ready) {
+  constexpr int TEAMS = XS ? 2 : 1;
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4, M = p.w.num_rows;
   const int n0 = item * kGemvCols, steps = p.K / kGemvStep / kGemvWarps;
   const int64_t k0 = gemv_warp_k(p.K) + 8 * q;
   const T* const wp[2] = {w + int64_t{min(n0 + g, p.out_total - 1)} * p.K + k0,
                           w + int64_t{min(n0 + 8 + g, p.out_total - 1)} * p.K + k0};
   const bool wok[2] = {n0 + g < p.out_total, n0 + 8 + g < p.out_total};
-  const int m = threadIdx.x / kGemvCols, n = n0 + threadIdx.x % kGemvCols;
+  const int m = gemv_tid() / kGemvCols, n = n0 + gemv_tid() % kGemvCols;
   const bool mine = m < M && n < p.out_total;
   const int slot = mine ? sm.slot[m] : -1, rank = slot >= 0 ? sm.rank[m] : 0;
   const T* brow = lora_b + (int64_t{max(slot, 0)} * p.out_total + min(n, p.out_total - 1)) * p.R;
   if (rank > 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(brow));  // a row of B: at most 128 bytes
   float acc[2][4] = {};
-  gemv_steps<T, HI>(acc, wp, wok, x + int64_t{min(g, M - 1)} * p.K + k0, g < M,
-                    x + int64_t{min(g + 8, M - 1)} * p.K + k0, g + 8 < M, steps);
+  gemv_steps<T, HI, XS>(acc, wp, wok, x + min(g, M - 1) * xstride + k0, g < M, x + min(g + 8, M - 1) * xstride + k0,
+                        g + 8 < M, steps);
   gemv_red_store(sm, acc);
   uint4 b[kGemvMaxR / 8];  // B[slot, n, :rank] (L2 hits: prefetched at the item's start)
 #pragma unroll
   for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) b[c8] = ld_w16(brow + 8 * c8, 8 * c8 < rank);
   if (!ready) {  // v of every row, once per CTA: the shrink items' output
-    gemv_wait_shrink(p, ready);
+    gemv_wait_shrink<TEAMS>(p, ready);
     gemv_stage_v(sm, p, v);
   }
-  __syncthreads();  // red (and vs) complete
+  gemv_sync<TEAMS>();  // red (and vs) complete
   float acc_y = gemv_red_sum(sm);
   if (mine && bias) acc_y += to_float(bias[n]);
   if (slot >= 0) {
@@ -279,61 +308,89 @@ __device__ void gemv_item(const T* x, const T* w, const T* bias, const T* lora_b
     acc_y = fmaf(sm.scale[m], delta, acc_y);
   }
   if (mine) y[int64_t{m} * p.out_total + n] = from_float<T>(acc_y);
-  __syncthreads();  // red and vs are free for the next item
+  gemv_sync<TEAMS>();  // red and vs are free for the next item
 }
 
-// This CTA's shrink items are written: count it (release: the fence orders its v stores before the count).
+// This team's shrink items are written: count it (release: the fence orders its v stores before the count).
+template <int TEAMS>
 __device__ __forceinline__ void gemv_arrive(const GemvArgs& p) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  gemv_sync<TEAMS>();
+  if (gemv_tid() == 0) {
     __threadfence();
     atomicAdd(p.sync, 1);
   }
 }
 
-template <typename T, bool HI>
-__global__ void __launch_bounds__(kGemvThreads, 2)
+// Issues the copies of x rows 0 .. rows-1 into shared memory (row stride K + kGemvXsPad), by every thread of the CTA.
+template <typename T>
+__device__ __forceinline__ void gemv_stage_x(T* xs, const T* x, const GemvArgs& p) {
+  const int chunks = p.K / 8, stride = p.K + kGemvXsPad;  // 16-byte chunks a row
+  for (int i = threadIdx.x; i < p.w.num_rows * chunks; i += blockDim.x)
+    cp_async16(xs + (i / chunks) * stride + 8 * (i % chunks), x + int64_t{i / chunks} * p.K + 8 * (i % chunks), 16);
+  cp_async_commit();
+}
+
+// Shared memory of a launch: each team's GemvSmem, then (XS) x.
+template <typename T, bool XS>
+constexpr int64_t gemv_smem_bytes(int64_t K) {
+  return XS ? 2 * int64_t{sizeof(GemvSmem)} + kGemvRows * (K + kGemvXsPad) * int64_t{sizeof(T)}
+            : int64_t{sizeof(GemvSmem)};
+}
+
+template <typename T, bool HI, bool XS>
+__global__ void __launch_bounds__(kGemvThreads * (XS ? 2 : 1), XS ? 1 : 2)
     lora_gemv_kernel(const T* x, const T* w, const T* bias, const T* lora_a, const T* lora_b, float* v, T* y,
                      const GemvArgs p) {
-  __shared__ GemvSmem sm;
-  gemv_rows(sm, p);
+  constexpr int TEAMS = XS ? 2 : 1;
+  extern __shared__ __align__(16) unsigned char gemv_shared[];
+  GemvSmem& sm = reinterpret_cast<GemvSmem*>(gemv_shared)[threadIdx.x / kGemvThreads];
+  const int team = blockIdx.x * TEAMS + threadIdx.x / kGemvThreads, teams = gridDim.x * TEAMS;
+  gemv_rows<TEAMS>(sm, p);
   const int shrink_items = num_tiles(p.w) * p.v_items * p.splits;
-  gemv_prefetch_item(w, p, blockIdx.x);
+  gemv_prefetch_item(w, p, team);
   griddep_launch_dependents();
   griddep_wait();  // x and the sync words: the previous kernel's
-  // Shrink items from the last CTA down: W items go c, c + grid, ..., so the last CTAs hold one W item fewer.
-  for (int j = gridDim.x - 1 - blockIdx.x; j < shrink_items; j += gridDim.x)
-    gemv_shrink_item<T, HI>(x, lora_a, v, sm, p, j);
-  gemv_arrive(p);
+  T* xs = reinterpret_cast<T*>(gemv_shared + TEAMS * sizeof(GemvSmem));
+  if constexpr (XS) gemv_stage_x(xs, x, p);
+  // Shrink items from the last team down: W items go t, t + teams, ..., so the last teams hold one W item fewer.
+  for (int j = teams - 1 - team; j < shrink_items; j += teams)
+    gemv_shrink_item<T, HI, TEAMS>(x, lora_a, v, sm, p, j);
+  gemv_arrive<TEAMS>(p);
+  if constexpr (XS) {  // x, staged during the shrink items, is complete past the wait and the CTA barrier
+    cp_async_wait<0>();
+    __syncthreads();
+  }
   bool ready = false;
-  for (int item = blockIdx.x; item < p.items; item += gridDim.x)
-    gemv_item<T, HI>(x, w, bias, lora_b, v, y, sm, p, item, ready);
-  if (threadIdx.x == 0 && atomicAdd(p.sync + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-    atomicExch(p.sync, 0);  // every other CTA is out: nobody reads the words until the next launch
+  for (int item = team; item < p.items; item += teams)
+    gemv_item<T, HI, XS>(XS ? xs : x, XS ? p.K + kGemvXsPad : p.K, w, bias, lora_b, v, y, sm, p, item, ready);
+  if (gemv_tid() == 0 && atomicAdd(p.sync + 1, 1) == teams - 1) {
+    atomicExch(p.sync, 0);  // every other team is out: nobody reads the words until the next launch
     atomicExch(p.sync + 1, 0);
   }
 }
 
-// CTAs per SM (0: none fits). The shared-memory carveout is asked to be small (2 CTAs' 26 KB) so that L1 keeps the
-// x rows that every item of an SM reads again (ncu, 16 rows, gate_up: L1 hit rate 12% with the default carveout,
-// x's re-reads then went to L2).
-template <typename T, bool HI>
-int gemv_ctas_per_sm() {
-  static const int n = [] {
+// CTAs per SM (0: none fits). Without XS the shared-memory carveout is asked to be small (2 CTAs' 26 KB) so that L1
+// keeps the x rows that every item of an SM reads again (ncu, 16 rows, gate_up: L1 hit rate 12% with the default
+// carveout, x's re-reads then went to L2). With XS one CTA of two teams holds x itself.
+template <typename T, bool HI, bool XS>
+int gemv_ctas_per_sm(int smem, int smem_optin) {
+  constexpr auto kernel = lora_gemv_kernel<T, HI, XS>;
+  if (XS)  // one CTA an SM by its registers (__launch_bounds__), if its shared memory fits
+    return smem <= smem_optin && allow_dynamic_smem<kernel>(smem_optin) == cudaSuccess ? 1 : 0;
+  static const int n = [smem] {
     int blocks = 0;
-    cudaFuncSetAttribute(lora_gemv_kernel<T, HI>, cudaFuncAttributePreferredSharedMemoryCarveout, kGemvCarveoutPct);
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, lora_gemv_kernel<T, HI>, kGemvThreads, 0) ==
-                   cudaSuccess
-               ? blocks
-               : 0;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, kGemvCarveoutPct);
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemvThreads, smem) == cudaSuccess ? blocks
+                                                                                                               : 0;
   }();
   return n;
 }
 
-template <typename T, bool HI>
+template <typename T, bool HI, bool XS>
 cudaError_t launch_lora_gemv(const T* x, const T* w, const T* bias, const T* lora_a, const T* lora_b, float* v, T* y,
-                             const GemvArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<lora_gemv_kernel<T, HI>>(cfg, kGemvThreads, 0, x, w, bias, lora_a, lora_b, v, y, p);
+                             const GemvArgs& p, const LaunchCfg& cfg, int smem) {
+  return launch_kernel<lora_gemv_kernel<T, HI, XS>>(cfg, kGemvThreads * (XS ? 2 : 1), smem, x, w, bias, lora_a,
+                                                    lora_b, v, y, p);
 }
 
 }  // namespace lora_kernels
