@@ -3,10 +3,10 @@
 GPU (marked gpu): against a float64 ground truth (x Wᵀ + bias + the per-row LoRA loop) with NaN-poisoned
 weights past each slot's rank and a NaN-poisoned out, 1..16 rows, permuted rows, rows of slot -1 and rows outside
 every segment, bf16 and fp16, ranks 8..64, unequal slices, several W items per CTA, x staged in shared memory
-(past 8 rows at ranks up to 32) and x too wide for it; bitwise batch invariance across
-batch sizes, positions and companions, and a column block's bits wherever it falls in the launch; graph replay equal
-to eager, with no host sync; the sync words back at zero after every launch; bad inputs. CPU: the mode's fallback
-where the kernel cannot run.
+(past 8 rows at ranks up to 32) and x too wide for it; bitwise batch invariance across batch sizes, positions and
+companions, and a column block's bits wherever it falls in the launch; graph replay equal to eager, with no host
+sync; the sync words back at zero after every launch; bad inputs. CPU: the mode's fallback where the kernel cannot
+run.
 """
 
 import numpy as np

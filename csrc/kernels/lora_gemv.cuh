@@ -156,7 +156,7 @@ __device__ __forceinline__ void gemv_prefetch_item(const T* w, const GemvArgs& p
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + l * (128 / sizeof(T))));
 }
 
-// The CTA's partial sums (the 8 warps' eighths of K, in red) of thread (m, c) = threadIdx.x / 16, % 16, in order.
+// The team's partial sums (the 8 warps' eighths of K, in red) of thread (m, c) = gemv_tid() / 16, % 16, in order.
 __device__ __forceinline__ void gemv_red_store(GemvSmem& sm, const float (&acc)[2][4]) {
   const int warp = gemv_tid() / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
 #pragma unroll
@@ -377,15 +377,18 @@ __global__ void __launch_bounds__(kGemvThreads * (XS ? 2 : 1), XS ? 1 : 2)
 template <typename T, bool HI, bool XS>
 int gemv_ctas_per_sm(int smem, int smem_optin) {
   constexpr auto kernel = lora_gemv_kernel<T, HI, XS>;
-  if (XS)  // one CTA an SM by its registers (__launch_bounds__), if its shared memory fits
+  if constexpr (XS) {  // one CTA an SM by its registers (__launch_bounds__), if its shared memory fits
     return smem <= smem_optin && allow_dynamic_smem<kernel>(smem_optin) == cudaSuccess ? 1 : 0;
-  static const int n = [smem] {
-    int blocks = 0;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, kGemvCarveoutPct);
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemvThreads, smem) == cudaSuccess ? blocks
-                                                                                                               : 0;
-  }();
-  return n;
+  } else {
+    static const int n = [smem] {  // smem is sizeof(GemvSmem) here: the same on every call
+      int blocks = 0;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, kGemvCarveoutPct);
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemvThreads, smem) == cudaSuccess
+                 ? blocks
+                 : 0;
+    }();
+    return n;
+  }
 }
 
 template <typename T, bool HI, bool XS>
