@@ -7,16 +7,17 @@
 //
 // One persistent grid of co-resident CTAs (at most the occupancy, ops/lora_gemv.cu) walks two lists of items, each
 // CTA its shrink items first. Shrink items (work-list tile, 16 columns of v, one of `splits` K ranges: fp32 planes of
-// v = x Aᵀ for the tile's rows, summed in plane order where the epilogue stages v) are dealt from the last CTA down;
-// W items (16 rows of W, i.e. 16 columns of y, over the whole K) go to CTA c as c, c + grid, ..., so the last CTAs
-// hold one W item fewer. In every item each of the 8 warps takes one eighth of the item's K for both n8 groups, with
-// 16-byte loads that feed mma.sync directly (each lane loads 8 consecutive k of one weight row and of x rows g and
-// g + 8; A and B fragments use the same k permutation, so the dot products are exact sums over k), and the CTA adds
-// the eighths in order. A CTA (a team, below) counts itself on sync[0] once its shrink items are written (release); a
-// W item's epilogue waits once for the count to reach the grid (every CTA is resident and does its shrink items
-// before any wait, so this never deadlocks), then adds the LoRA and writes y. The last CTA out resets sync for the
-// next launch (which reads it only past griddep_wait or in stream order).
-// Past 8 rows (HI) at small ranks, x (16 rows x K, K up to about 5.6K in 227 KB) is staged once per SM in shared
+// v = x Aᵀ for the tile's rows, summed in plane order where the epilogue stages v) are dealt from the last CTA down
+// (first to the CTAs with one W item fewer, where those are many); W items (16 rows of W, i.e. 16 columns of y, over
+// the whole K) go to CTA c as c, c + grid, ..., so the last CTAs hold one W item fewer. In every item each of the 8
+// warps takes one eighth of the item's K for both n8 groups, with 16-byte loads that feed mma.sync directly (each
+// lane loads 8 consecutive k of one weight row and of x rows g and g + 8; A and B fragments use the same k
+// permutation, so the dot products are exact sums over k), and the CTA adds the eighths in order. A CTA (a team,
+// below) counts itself on sync[0] once its shrink items are written (release); a W item's epilogue waits once for the
+// count to reach the grid (every CTA is resident and does its shrink items before any wait, so this never deadlocks),
+// then adds the LoRA and writes y. The last CTA out resets sync for the next launch (which reads it only past
+// griddep_wait or in stream order).
+// Past 8 rows (HI) at small ranks, x (16 rows x K, K up to 5120 in 227 KB) is staged once per SM in shared
 // memory (XS): one CTA of two teams of 8 warps an SM, each team walking items as a CTA does without XS. x read again
 // through L1 by every item cost its L2 traffic twice W's (ncu, gate_up: 377 MB read from L2 against 264 MB).
 // Bits: every sum's order is fixed by shapes only (the K ranges and eighths, the MMA chains, j in order), and a
@@ -41,6 +42,7 @@ constexpr int kGemvCarveoutPct = 25;                   // of the SM's shared mem
 constexpr int kGemvVCols = kMaxSlices * kGemvMaxR;     // columns of v a row may have (S * R)
 constexpr int kGemvXsPad = 32;   // elements after each x row staged in shared memory: rows g, g+1 hit other banks
 constexpr int kGemvXsMaxR = 32;  // XS (x in shared memory) up to this pool rank: measured slower at 64
+constexpr int kGemvLightShrink = 8;  // shrink items a team with one W item fewer takes first (kernel, below)
 
 // A team is kGemvWarps warps that walk the items together: the whole CTA, or (XS: x staged in shared memory, one
 // CTA an SM) half of it, so that two teams share one copy of x as two CTAs of an SM did x's L1 lines.
@@ -65,8 +67,9 @@ struct GemvArgs {
   int* sync;                           // [2]: CTAs past their shrink items, CTAs out
 };
 
+using GemvRed = float[kGemvWarps][kGemvRows][kGemvCols];
 struct alignas(16) GemvSmem {
-  float red[kGemvWarps][kGemvRows][kGemvCols];  // the warps' partial sums over their eighth of K
+  GemvRed red;                                  // the warps' partial sums over their eighth of K
   float vs[kGemvRows][kGemvVCols];              // v of every row (staged once per CTA)
   int slot[kGemvRows], rank[kGemvRows];
   float scale[kGemvRows];
@@ -101,7 +104,8 @@ __device__ __forceinline__ void mma_step(float (&acc)[4], const uint4& lo, const
 // acc[h] += x[rows] · wrow[h] over `steps` steps from the pointers (each already at the lane's first k).
 // HI: x rows 8..15 may exist (more than 8 rows); else their fragments are constant zeros, without loads.
 // XS: x is in shared memory; only W's loads are batched, x's are read at their MMAs (the same k order and MMA
-// chain, so the same bits).
+// chain, so the same bits). Steps past the last whole batch are one more batch (guarded), not a round trip each: a
+// shrink item's K range may be 2 or 7 steps (H100, 16 rows r16: layer 190.5 -> 187.6 µs; one row r64 167.0 -> 163.8).
 template <typename T, bool HI, bool XS>
 __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&wp)[2], const bool (&wok)[2],
                                            const T* xl, bool lok, const T* xh, bool hok, int steps) {
@@ -130,11 +134,30 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&
       for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo[u], hi[u], w[u][h]);
     }
   }
-  for (; s < steps; ++s) {
-    const int k = s * kGemvStep;
-    const uint4 lo = ld_x16(xl + k, lok), hi = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+  if (s < steps) {
+    uint4 w[kGemvUnroll - 1][H], lo[kGemvUnroll - 1], hi[kGemvUnroll - 1];
 #pragma unroll
-    for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo, hi, ld_w16(wp[h] + k, wok[h]));
+    for (int u = 0; u < kGemvUnroll - 1; ++u) {
+      const int k = (s + u) * kGemvStep;
+      const bool in = s + u < steps;
+#pragma unroll
+      for (int h = 0; h < H; ++h) w[u][h] = ld_w16(wp[h] + k, in && wok[h]);
+      if (!XS) {
+        lo[u] = ld_x16(xl + k, in && lok);
+        hi[u] = HI ? ld_x16(xh + k, in && hok) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll - 1; ++u) {
+      if (s + u >= steps) break;
+      if (XS) {
+        const int k = (s + u) * kGemvStep;
+        lo[u] = ld_x16(xl + k, lok);
+        hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo[u], hi[u], w[u][h]);
+    }
   }
 }
 
@@ -157,18 +180,18 @@ __device__ __forceinline__ void gemv_prefetch_item(const T* w, const GemvArgs& p
 }
 
 // The team's partial sums (the 8 warps' eighths of K, in red) of thread (m, c) = gemv_tid() / 16, % 16, in order.
-__device__ __forceinline__ void gemv_red_store(GemvSmem& sm, const float (&acc)[2][4]) {
+__device__ __forceinline__ void gemv_red_store(GemvRed& red, const float (&acc)[2][4]) {
   const int warp = gemv_tid() / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    *reinterpret_cast<float2*>(&sm.red[warp][g][8 * h + 2 * q]) = make_float2(acc[h][0], acc[h][1]);
-    *reinterpret_cast<float2*>(&sm.red[warp][g + 8][8 * h + 2 * q]) = make_float2(acc[h][2], acc[h][3]);
+    *reinterpret_cast<float2*>(&red[warp][g][8 * h + 2 * q]) = make_float2(acc[h][0], acc[h][1]);
+    *reinterpret_cast<float2*>(&red[warp][g + 8][8 * h + 2 * q]) = make_float2(acc[h][2], acc[h][3]);
   }
 }
-__device__ __forceinline__ float gemv_red_sum(const GemvSmem& sm) {
+__device__ __forceinline__ float gemv_red_sum(const GemvRed& red) {
   float s = 0.f;
 #pragma unroll
-  for (int k = 0; k < kGemvWarps; ++k) s += sm.red[k][gemv_tid() / kGemvCols][gemv_tid() % kGemvCols];
+  for (int k = 0; k < kGemvWarps; ++k) s += red[k][gemv_tid() / kGemvCols][gemv_tid() % kGemvCols];
   return s;
 }
 
@@ -193,10 +216,10 @@ __device__ void gemv_shrink_item(const T* x, const T* lora_a, float* v, GemvSmem
   float acc[2][4] = {};
   gemv_steps<T, HI, false>(acc, wp, wok, x + int64_t{max(rlo, 0)} * p.K + k0, rlo >= 0,
                            x + int64_t{max(rhi, 0)} * p.K + k0, rhi >= 0, steps);
-  gemv_red_store(sm, acc);
+  gemv_red_store(sm.red, acc);
   gemv_sync<TEAMS>();
   const int row = tile_row(p.w, ti, gemv_tid() / kGemvCols), c = c0 + gemv_tid() % kGemvCols;
-  const float sum = gemv_red_sum(sm);
+  const float sum = gemv_red_sum(sm.red);
   if (row >= 0 && c < p.N) v[(int64_t{split} * p.w.num_rows + row) * p.N + c] = sum;
   gemv_sync<TEAMS>();  // red is free for the next item
 }
@@ -267,10 +290,12 @@ __device__ __forceinline__ void gemv_stage_v(GemvSmem& sm, const GemvArgs& p, co
   }
 }
 
-// XS: x in shared memory (row stride xstride); else in global memory.
+// XS: x in shared memory (row stride xstride), and red one of the team's two buffers (used in turn by its items, so
+// an item ends without a barrier: H100, 16 rows r16, layer -0.3 µs); else x in global memory, one red.
 template <typename T, bool HI, bool XS>
-__device__ void gemv_item(const T* x, int64_t xstride, const T* w, const T* bias, const T* lora_b, const float* v,
-                          T* y, GemvSmem& sm, const GemvArgs& p, int item, bool& ready) {
+__device__ __forceinline__ void gemv_item(const T* x, int64_t xstride, const T* w, const T* bias, const T* lora_b,
+                                          const float* v, T* y, GemvSmem& sm, GemvRed& red, const GemvArgs& p,
+                                          int item, bool& ready) {
   constexpr int TEAMS = XS ? 2 : 1;
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4, M = p.w.num_rows;
   const int n0 = item * kGemvCols, steps = p.K / kGemvStep / kGemvWarps;
@@ -286,22 +311,23 @@ __device__ void gemv_item(const T* x, int64_t xstride, const T* w, const T* bias
   float acc[2][4] = {};
   gemv_steps<T, HI, XS>(acc, wp, wok, x + min(g, M - 1) * xstride + k0, g < M, x + min(g + 8, M - 1) * xstride + k0,
                         g + 8 < M, steps);
-  gemv_red_store(sm, acc);
-  uint4 b[kGemvMaxR / 8];  // B[slot, n, :rank] (L2 hits: prefetched at the item's start)
+  gemv_red_store(red, acc);
+  constexpr int kB8 = (XS ? kGemvXsMaxR : kGemvMaxR) / 8;  // XS runs at pool ranks up to kGemvXsMaxR only
+  uint4 b[kB8];  // B[slot, n, :rank] (L2 hits: prefetched at the item's start)
 #pragma unroll
-  for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) b[c8] = ld_w16(brow + 8 * c8, 8 * c8 < rank);
+  for (int c8 = 0; c8 < kB8; ++c8) b[c8] = ld_w16(brow + 8 * c8, 8 * c8 < rank);
   if (!ready) {  // v of every row, once per CTA: the shrink items' output
     gemv_wait_shrink<TEAMS>(p, ready);
     gemv_stage_v(sm, p, v);
   }
   gemv_sync<TEAMS>();  // red (and vs) complete
-  float acc_y = gemv_red_sum(sm);
+  float acc_y = gemv_red_sum(red);
   if (mine && bias) acc_y += to_float(bias[n]);
   if (slot >= 0) {
     const float* vrow = &sm.vs[m][slice_at(p.offsets, p.num_slices, n) * p.R];
     float delta = 0.f;
 #pragma unroll
-    for (int c8 = 0; c8 < kGemvMaxR / 8; ++c8) {
+    for (int c8 = 0; c8 < kB8; ++c8) {
       const Pack<T, 8> bt = *reinterpret_cast<const Pack<T, 8>*>(&b[c8]);
 #pragma unroll
       for (int e = 0; e < 8; ++e)
@@ -310,7 +336,7 @@ __device__ void gemv_item(const T* x, int64_t xstride, const T* w, const T* bias
     acc_y = fmaf(sm.scale[m], delta, acc_y);
   }
   if (mine) y[int64_t{m} * p.out_total + n] = from_float<T>(acc_y);
-  gemv_sync<TEAMS>();  // red and vs are free for the next item
+  if (!XS) gemv_sync<TEAMS>();  // red is free for the next item
 }
 
 // This team's shrink items are written: count it (release: the fence orders its v stores before the count).
@@ -332,10 +358,10 @@ __device__ __forceinline__ void gemv_stage_x(T* xs, const T* x, const GemvArgs& 
   cp_async_commit();
 }
 
-// Shared memory of a launch: each team's GemvSmem, then (XS) x.
+// Shared memory of a launch: each team's GemvSmem, then (XS) each team's second red and x.
 template <typename T, bool XS>
 constexpr int64_t gemv_smem_bytes(int64_t K) {
-  return XS ? 2 * int64_t{sizeof(GemvSmem)} + kGemvRows * (K + kGemvXsPad) * int64_t{sizeof(T)}
+  return XS ? 2 * int64_t{sizeof(GemvSmem) + sizeof(GemvRed)} + kGemvRows * (K + kGemvXsPad) * int64_t{sizeof(T)}
             : int64_t{sizeof(GemvSmem)};
 }
 
@@ -352,10 +378,17 @@ __global__ void __launch_bounds__(kGemvThreads * (XS ? 2 : 1), XS ? 1 : 2)
   gemv_prefetch_item(w, p, team);
   griddep_launch_dependents();
   griddep_wait();  // x and the sync words: the previous kernel's
-  T* xs = reinterpret_cast<T*>(gemv_shared + TEAMS * sizeof(GemvSmem));
+  GemvRed* red2 = reinterpret_cast<GemvRed*>(gemv_shared + TEAMS * sizeof(GemvSmem));  // XS only
+  T* xs = reinterpret_cast<T*>(gemv_shared + TEAMS * (sizeof(GemvSmem) + sizeof(GemvRed)));
   if constexpr (XS) gemv_stage_x(xs, x, p);
-  // Shrink items from the last team down: W items go t, t + teams, ..., so the last teams hold one W item fewer.
-  for (int j = teams - 1 - team; j < shrink_items; j += teams)
+  // W items go t, t + teams, ..., so the last `light` teams hold one W item fewer. Where they are at least half the
+  // teams (qkv: 384 items on 264), the first shrink items go to them, up to kGemvLightShrink each, so that no team
+  // holds both; the rest are dealt from the last team down.
+  const int extra = p.items % teams, light = extra ? teams - extra : 0;
+  const int first = 2 * light >= teams ? min(shrink_items, light * kGemvLightShrink) : 0;
+  if (team >= extra)
+    for (int j = team - extra; j < first; j += light) gemv_shrink_item<T, HI, TEAMS>(x, lora_a, v, sm, p, j);
+  for (int j = first + teams - 1 - team; j < shrink_items; j += teams)
     gemv_shrink_item<T, HI, TEAMS>(x, lora_a, v, sm, p, j);
   gemv_arrive<TEAMS>(p);
   if constexpr (XS) {  // x, staged during the shrink items, is complete past the wait and the CTA barrier
@@ -363,8 +396,12 @@ __global__ void __launch_bounds__(kGemvThreads * (XS ? 2 : 1), XS ? 1 : 2)
     __syncthreads();
   }
   bool ready = false;
-  for (int item = team; item < p.items; item += teams)
-    gemv_item<T, HI, XS>(XS ? xs : x, XS ? p.K + kGemvXsPad : p.K, w, bias, lora_b, v, y, sm, p, item, ready);
+  int local = 0;
+  for (int item = team; item < p.items; item += teams, ++local) {
+    GemvRed& red = XS && (local & 1) ? red2[threadIdx.x / kGemvThreads] : sm.red;
+    gemv_item<T, HI, XS>(XS ? xs : x, XS ? p.K + kGemvXsPad : p.K, w, bias, lora_b, v, y, sm, red, p, item,
+                         ready);
+  }
   if (gemv_tid() == 0 && atomicAdd(p.sync + 1, 1) == teams - 1) {
     atomicExch(p.sync, 0);  // every other team is out: nobody reads the words until the next launch
     atomicExch(p.sync + 1, 0);
