@@ -101,64 +101,48 @@ __device__ __forceinline__ void mma_step(float (&acc)[4], const uint4& lo, const
   mma_16816<T>(acc, a1, w.z, w.w);
 }
 
-// acc[h] += x[rows] · wrow[h] over `steps` steps from the pointers (each already at the lane's first k).
-// HI: x rows 8..15 may exist (more than 8 rows); else their fragments are constant zeros, without loads.
-// XS: x is in shared memory; only W's loads are batched, x's are read at their MMAs (the same k order and MMA
-// chain, so the same bits). Steps past the last whole batch are one more batch (guarded), not a round trip each: a
+// acc[h] += x[rows] · wrow[h] over steps s .. s + n - 1 (n <= N), as one batch: every W load (and x's, unless XS)
+// issued first, then the MMAs in step order. Steps past n load nothing and add nothing.
+template <typename T, bool HI, bool XS, int N>
+__device__ __forceinline__ void gemv_batch(float (&acc)[2][4], const T* const (&wp)[2], const bool (&wok)[2],
+                                           const T* xl, bool lok, const T* xh, bool hok, int s, int n) {
+  uint4 w[N][2], lo[N], hi[N];
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const int k = (s + u) * kGemvStep;
+    const bool in = u < n;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) w[u][h] = ld_w16(wp[h] + k, in && wok[h]);
+    if (!XS) {
+      lo[u] = ld_x16(xl + k, in && lok);
+      hi[u] = HI ? ld_x16(xh + k, in && hok) : make_uint4(0, 0, 0, 0);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    if (u >= n) break;
+    if (XS) {
+      const int k = (s + u) * kGemvStep;
+      lo[u] = ld_x16(xl + k, lok);
+      hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mma_step<T>(acc[h], lo[u], hi[u], w[u][h]);
+  }
+}
+
+// acc[h] += x[rows] · wrow[h] over `steps` steps from the pointers (each already at the lane's first k), in batches
+// of kGemvUnroll steps. HI: x rows 8..15 may exist (more than 8 rows); else their fragments are constant zeros,
+// without loads. XS: x is in shared memory; only W's loads are batched, x's are read at their MMAs (the same k order
+// and MMA chain, so the same bits). Steps past the last whole batch are one more batch, not a round trip each: a
 // shrink item's K range may be 2 or 7 steps (H100, 16 rows r16: layer 190.5 -> 187.6 µs; one row r64 167.0 -> 163.8).
 template <typename T, bool HI, bool XS>
 __device__ __forceinline__ void gemv_steps(float (&acc)[2][4], const T* const (&wp)[2], const bool (&wok)[2],
                                            const T* xl, bool lok, const T* xh, bool hok, int steps) {
-  constexpr int H = 2;
   int s = 0;
-  for (; s + kGemvUnroll <= steps; s += kGemvUnroll) {
-    uint4 w[kGemvUnroll][H], lo[kGemvUnroll], hi[kGemvUnroll];
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      const int k = (s + u) * kGemvStep;
-#pragma unroll
-      for (int h = 0; h < H; ++h) w[u][h] = ld_w16(wp[h] + k, wok[h]);
-      if (!XS) {
-        lo[u] = ld_x16(xl + k, lok);
-        hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      if (XS) {
-        const int k = (s + u) * kGemvStep;
-        lo[u] = ld_x16(xl + k, lok);
-        hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo[u], hi[u], w[u][h]);
-    }
-  }
-  if (s < steps) {
-    uint4 w[kGemvUnroll - 1][H], lo[kGemvUnroll - 1], hi[kGemvUnroll - 1];
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll - 1; ++u) {
-      const int k = (s + u) * kGemvStep;
-      const bool in = s + u < steps;
-#pragma unroll
-      for (int h = 0; h < H; ++h) w[u][h] = ld_w16(wp[h] + k, in && wok[h]);
-      if (!XS) {
-        lo[u] = ld_x16(xl + k, in && lok);
-        hi[u] = HI ? ld_x16(xh + k, in && hok) : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll - 1; ++u) {
-      if (s + u >= steps) break;
-      if (XS) {
-        const int k = (s + u) * kGemvStep;
-        lo[u] = ld_x16(xl + k, lok);
-        hi[u] = HI ? ld_x16(xh + k, hok) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int h = 0; h < H; ++h) mma_step<T>(acc[h], lo[u], hi[u], w[u][h]);
-    }
-  }
+  for (; s + kGemvUnroll <= steps; s += kGemvUnroll)
+    gemv_batch<T, HI, XS, kGemvUnroll>(acc, wp, wok, xl, lok, xh, hok, s, kGemvUnroll);
+  if (s < steps) gemv_batch<T, HI, XS, kGemvUnroll - 1>(acc, wp, wok, xl, lok, xh, hok, s, steps - s);
 }
 
 // This warp's first k in a K range of `range` elements: the warps take consecutive eighths of it.
