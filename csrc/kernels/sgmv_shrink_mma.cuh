@@ -1,8 +1,9 @@
 // Tensor-core shrink over the work list (fp16/bf16; in_dim % 8 == 0; x and lora_a 16-byte aligned):
 //   v[row, c] = sum_k x[row, k] * lora_a[slot, c, k]   for c % R < rank, else 0      (c < N = S*R)
-// Item (tile t, column tile nt, K split ks) of a persistent grid: a kTileM x kShrinkBN block of the
-// tile's rows and columns over the split's K range, through a 4-stage cp.async pipeline; 4 warps side by
-// side, each all kTileM rows x 16 columns. splits == 1: the item writes v. splits > 1: it writes its fp32
+// Item (tile t, column tile nt, K split ks) of a persistent grid: a kTileM x 16 W block of the tile's rows and
+// columns over the split's K range, through an ST-stage cp.async pipeline; W warps side by side, each all kTileM
+// rows x 16 columns, its MMA chain over the split's k16 steps in order whatever W and ST (ops/sgmv_plan.h picks them
+// by the batch: the bits stay). splits == 1: the item writes v. splits > 1: it writes its fp32
 // partial sums to plane ks of ws, and a later kernel sums the planes in plane order (the batch-invariant
 // reduction: the split count comes from the shapes alone, see ops/sgmv_plan.h). Raw pointers only; no torch headers.
 #pragma once
@@ -14,40 +15,44 @@
 
 namespace lora_kernels {
 
-constexpr int kShrinkBN = 64, kShrinkStages = 4, kShrinkThreads = 128;
-constexpr int kShrinkSmemBytes = kShrinkStages * (kTileM + kShrinkBN) * kMmaBK * 2;
-constexpr int kShrinkXCopies = kTileM * 8 / kShrinkThreads;     // 16-byte copies per thread per x slab
-constexpr int kShrinkWCopies = kShrinkBN * 8 / kShrinkThreads;  // and per weight slab
-static_assert(kShrinkXCopies * kShrinkThreads == kTileM * 8 && kShrinkWCopies * kShrinkThreads == kShrinkBN * 8,
-              "the copy layout covers the tiles exactly");
-static_assert(kShrinkBN == kWarpN * (kShrinkThreads / 32), "the warps cover the column tile exactly");
-
-// Where each thread copies from: chunk (tid & 7) of rows (tid >> 3) + 16 i of the x tile
-// (i < kShrinkXCopies) and of the weight tile (i < kShrinkWCopies), from the split's first K element;
-// masked rows (past the tile, columns at or past the rank) are zero-filled by cp.async, so they
-// contribute exact zeros.
-template <typename T>
-struct ShrinkCopy {
-  const T* x[kShrinkXCopies];
-  const T* w[kShrinkWCopies];
-  bool xok[kShrinkXCopies], wok[kShrinkWCopies];
+constexpr int kShrinkStages = 4;
+// A CTA of W warps: a column tile of 16 W columns; ST pipeline stages.
+template <int W, int ST>
+constexpr int shrink_smem_bytes() { return ST * (kTileM + kWarpN * W) * kMmaBK * 2; }
+template <int W>
+struct ShrinkShape {
+  static constexpr int threads = 32 * W, bn = kWarpN * W;
+  static constexpr int x_copies = kTileM * 8 / threads, w_copies = bn * 8 / threads;
+  static_assert(x_copies * threads == kTileM * 8 && w_copies * threads == bn * 8, "copies cover the tiles exactly");
 };
 
-template <typename T>
-__device__ __forceinline__ ShrinkCopy<T> shrink_copy_plan(const T* x, const T* a, const ShrinkArgs& p,
-                                                          const TileInfo& ti, const int* rows_sm, int n0,
-                                                          int kbeg) {
-  ShrinkCopy<T> cp;
+// Where each thread copies from: chunk (tid & 7) of rows (tid >> 3) + 4 W i of the x tile
+// (i < x_copies) and of the weight tile (i < w_copies), from the split's first K element;
+// masked rows (past the tile, columns at or past the rank) are zero-filled by cp.async, so they
+// contribute exact zeros.
+template <typename T, int W>
+struct ShrinkCopy {
+  const T* x[ShrinkShape<W>::x_copies];
+  const T* w[ShrinkShape<W>::w_copies];
+  bool xok[ShrinkShape<W>::x_copies], wok[ShrinkShape<W>::w_copies];
+};
+
+template <typename T, int W>
+__device__ __forceinline__ ShrinkCopy<T, W> shrink_copy_plan(const T* x, const T* a, const ShrinkArgs& p,
+                                                             const TileInfo& ti, const int* rows_sm, int n0,
+                                                             int kbeg) {
+  using S = ShrinkShape<W>;
+  ShrinkCopy<T, W> cp;
   const int chunk = threadIdx.x & 7;
 #pragma unroll
-  for (int i = 0; i < kShrinkXCopies; ++i) {
-    const int r = (threadIdx.x >> 3) + i * (kShrinkThreads / 8);
+  for (int i = 0; i < S::x_copies; ++i) {
+    const int r = (threadIdx.x >> 3) + i * (S::threads / 8);
     cp.xok[i] = rows_sm[r] >= 0;
     cp.x[i] = x + static_cast<int64_t>(cp.xok[i] ? rows_sm[r] : 0) * p.K + kbeg + chunk * 8;
   }
 #pragma unroll
-  for (int i = 0; i < kShrinkWCopies; ++i) {
-    const int n = n0 + (threadIdx.x >> 3) + i * (kShrinkThreads / 8);
+  for (int i = 0; i < S::w_copies; ++i) {
+    const int n = n0 + (threadIdx.x >> 3) + i * (S::threads / 8);
     cp.wok[i] = n < p.N && n % p.R < ti.rank;
     cp.w[i] = a + (static_cast<int64_t>(ti.slot) * p.N + (cp.wok[i] ? n : 0)) * p.K + kbeg + chunk * 8;
   }
@@ -56,26 +61,26 @@ __device__ __forceinline__ ShrinkCopy<T> shrink_copy_plan(const T* x, const T* a
 
 // acc = the warp's block of x_tile * w_tile^T over K range [kbeg, kend). The weight slabs of the first
 // stages are requested before griddep_wait (no kernel writes weights); x only after it.
-template <typename T>
-__device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T>& cp, const T* x, const T* a,
+template <typename T, int W, int ST>
+__device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T, W>& cp, const T* x, const T* a,
                                                 T* xs, T* wt, int kbeg, int kend, bool warp_live, bool& waited) {
-  constexpr int BK = kMmaBK, ST = kShrinkStages, BM = kTileM, BN = kShrinkBN;
+  constexpr int BK = kMmaBK, BM = kTileM, BN = ShrinkShape<W>::bn;
   const int KT = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
   const int tid = threadIdx.x, chunk = tid & 7, lane = tid & 31, warp = tid >> 5;
   auto load_w = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
-    for (int i = 0; i < kShrinkWCopies; ++i) {
+    for (int i = 0; i < ShrinkShape<W>::w_copies; ++i) {
       const bool ok = cp.wok[i] && kok;
-      cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * 16, chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
+      cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * (ShrinkShape<W>::threads / 8), chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
     }
   };
   auto load_x = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
-    for (int i = 0; i < kShrinkXCopies; ++i) {
+    for (int i = 0; i < ShrinkShape<W>::x_copies; ++i) {
       const bool ok = cp.xok[i] && kok;
-      cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * 16, chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
+      cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * (ShrinkShape<W>::threads / 8), chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
     }
   };
 #pragma unroll
@@ -124,13 +129,13 @@ __device__ __forceinline__ void shrink_store(const TileAcc& acc, V* v, float* ws
   });
 }
 
-template <typename T, typename V>
-__global__ void __launch_bounds__(kShrinkThreads)
+template <typename T, typename V, int W, int ST>
+__global__ void __launch_bounds__(32 * W)
     sgmv_shrink_mma_kernel(const T* __restrict__ x, const T* __restrict__ a, V* __restrict__ v,
                            float* __restrict__ ws, ShrinkArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* xs = reinterpret_cast<T*>(smem_raw);  // [stages][kTileM * kMmaBK]
-  T* wt = xs + kShrinkStages * kTileM * kMmaBK;  // [stages][kShrinkBN * kMmaBK]
+  T* wt = xs + ST * kTileM * kMmaBK;  // [stages][16 W * kMmaBK]
   __shared__ int rows_sm[kTileM];
   griddep_launch_dependents();
   bool waited = false;
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
   const int per_tile = p.n_tiles * p.splits;
   const int total = num_tiles(p.w) * per_tile;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
-    const int ks = item % p.splits, n0 = (item / p.splits) % p.n_tiles * kShrinkBN;
+    const int ks = item % p.splits, n0 = (item / p.splits) % p.n_tiles * ShrinkShape<W>::bn;
     const TileInfo ti = load_tile(p.w, item / per_tile, p.R);
     __syncthreads();  // the previous item is done with rows_sm and the pipeline buffers
     fill_tile_rows(rows_sm, p.w, ti);
@@ -147,9 +152,9 @@ __global__ void __launch_bounds__(kShrinkThreads)
     zero_acc(acc);
     if (ti.slot >= 0) {
       const int kbeg = ks * p.k_chunk, kend = min(p.K, kbeg + p.k_chunk);
-      const ShrinkCopy<T> cp = shrink_copy_plan(x, a, p, ti, rows_sm, n0, kbeg);
+      const ShrinkCopy<T, W> cp = shrink_copy_plan<T, W>(x, a, p, ti, rows_sm, n0, kbeg);
       const bool warp_live = n0 + warp * kWarpN < p.N;
-      shrink_pipeline<T>(acc, cp, x, a, xs, wt, kbeg, kend, warp_live, waited);
+      shrink_pipeline<T, W, ST>(acc, cp, x, a, xs, wt, kbeg, kend, warp_live, waited);
     } else if (p.splits > 1) {
       continue;  // no partials: the reduction writes the zeros of rows without LoRA
     }
@@ -159,9 +164,19 @@ __global__ void __launch_bounds__(kShrinkThreads)
   wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel
 }
 
+template <typename T, typename V, int W, int ST>
+cudaError_t launch_shrink_shape(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg) {
+  return launch_kernel<sgmv_shrink_mma_kernel<T, V, W, ST>>(cfg, 32 * W, shrink_smem_bytes<W, ST>(), x, a, v, ws, p);
+}
+
+// The CTA shapes ops/sgmv_plan.h picks (plan_shrink): 4 warps x 4 stages, 2 x 4, one warp x 8 stages.
 template <typename T, typename V>
-cudaError_t launch_shrink_mma(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<sgmv_shrink_mma_kernel<T, V>>(cfg, kShrinkThreads, kShrinkSmemBytes, x, a, v, ws, p);
+cudaError_t launch_shrink_mma(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg,
+                              int warps, int stages) {
+  if (warps == 1 && stages == 8) return launch_shrink_shape<T, V, 1, 8>(x, a, v, ws, p, cfg);
+  if (warps == 2 && stages == kShrinkStages) return launch_shrink_shape<T, V, 2, kShrinkStages>(x, a, v, ws, p, cfg);
+  if (warps == 4 && stages == kShrinkStages) return launch_shrink_shape<T, V, 4, kShrinkStages>(x, a, v, ws, p, cfg);
+  return cudaErrorInvalidConfiguration;
 }
 
 }  // namespace lora_kernels

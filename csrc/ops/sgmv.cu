@@ -206,7 +206,7 @@ void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
   if (max_tiles == 0 || v.numel() == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const ShrinkPlan plan = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
-                                      aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()));
+                                      aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0));
   const ShrinkArgs p =
       make_shrink_args(make_work(work, lora_ranks, permutation, max_tiles, x.size(0)), x, lora_a, num_slices, plan);
   const LaunchCfg cfg = make_cfg(max_tiles * plan.n_tiles * plan.splits, plan.ctas_per_sm);
@@ -256,7 +256,7 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   if (max_tiles == 0 || out.numel() == 0 || lora_b.size(2) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const ShrinkPlan sp = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
-                                    aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()));
+                                    aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0));
   const WorkArgs w = make_work(work, lora_ranks, permutation, max_tiles, x.size(0));
   const ShrinkArgs p = make_shrink_args(w, x, lora_a, num_slices, sp);
   if (x.size(0) <= fused_max_rows && fused_enabled(one_launch) &&

@@ -1,8 +1,9 @@
-// Every launch decision of the SGMV ops, in one place, computed from shapes only: dtype size, in_dim,
-// the S*R width of v, the pool rank R, the slice offsets, and whether the operands' pointers and rows
-// are 16-byte aligned (else the CUDA-core path). Never from rows, segments or the work list: the
-// kernel path, tile shapes and split-K count fix every reduction order, so a row's bits do not depend
-// on its batch (batch invariance). Batch capacities size only the persistent grid.
+// Every launch decision of the SGMV ops, in one place. Each reduction order (the kernel family, the split-K count,
+// the MMA chains) comes from shapes only: dtype size, in_dim, the S*R width of v, the pool rank R, the slice
+// offsets, and whether the operands' pointers and rows are 16-byte aligned (else the CUDA-core path); never from
+// segments or the work list, so a row's bits do not depend on its batch (batch invariance). The rows of x pick only
+// among kernels and CTA shapes that compute the same bits (the expand's kernel, the shrink's CTA width), and batch
+// capacities size the persistent grids.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -45,10 +46,25 @@ struct ShrinkPlan {
   int k_chunk;      // K elements per split
   int n_tiles;      // column tiles of v per work-list tile
   int ctas_per_sm;  // persistent CTAs per SM
+  int warps;        // tensor-core kernel: warps of a CTA, 16 columns of v each (its column tile: 16 * warps)
+  int stages;       // tensor-core kernel: cp.async pipeline stages
 };
 
-// elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned.
-inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned) {
+// The tensor-core shrink's CTA width (warps) and pipeline stages by the rows of x and the width N of v. Every warp
+// computes its 16 columns alone (the same MMA chain over its split's K range whatever the CTA), so this choice, unlike
+// the splits, may follow the batch: bits do not change. Narrower CTAs spread a decode batch's few items over more
+// SMs. H100, layer µs (bench_kernels, the best order; 4 warps x 4 stages before -> this):
+// - few rows x columns (rows * N <= kShrinkNarrowWork: one warp, 8 stages): r64 bs1 28.7 -> 26.7,
+//   r16 16x1 uniform 39.4 -> 36.5, r16 bs1 21.7 -> 21.9 (noise);
+// - other batches up to 16 rows: 4 warps (r64 16x1: 77.0 against 78.5 with 2 warps, 80.5 with one x 8 stages);
+// - 17 rows up to kReduceFirstRows: 2 warps: r16 64x1 uniform 57.6 -> 54.4, 256x1 90.1 -> 87.3; r64 64x1 136 -> 136,
+//   256x1 188 -> 186 (one warp: as fast sorted, but r64 unsorted 260 against 232 at 64x1);
+// - prefill (from kReduceFirstRows rows): 4 warps, as measured before.
+// Deeper pipelines did not help otherwise (9 stages of 4 warps: r16 bs1 21.9, 64x1 sorted 68.3).
+constexpr int64_t kShrinkNarrowWork = 1024;
+
+// elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned; rows: rows of x.
+inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int64_t rows) {
   ShrinkPlan s{};
   s.mma = elem == 2 && K % 8 == 0 && aligned;
   if (s.mma) {
@@ -56,8 +72,11 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned) {
     const int64_t chunk = std::max<int64_t>(cdiv(cdiv(K, splits), kMmaBK) * kMmaBK, kMmaBK);
     s.k_chunk = static_cast<int>(chunk);
     s.splits = static_cast<int>(std::max<int64_t>(1, cdiv(K, chunk)));
-    s.n_tiles = static_cast<int>(cdiv(N, kShrinkBN));
-    s.ctas_per_sm = 4;  // 40 KB of pipeline per CTA
+    const bool narrow = rows * N <= kShrinkNarrowWork;
+    s.warps = narrow ? 1 : (rows <= kTileM || rows >= kReduceFirstRows ? 4 : 2);
+    s.stages = narrow ? 8 : kShrinkStages;
+    s.n_tiles = static_cast<int>(cdiv(N, int64_t{kWarpN} * s.warps));
+    s.ctas_per_sm = narrow ? 16 : 16 / s.warps;  // 40 KB of pipeline per 4-warp CTA; 32 KB per one-warp CTA
   } else {
     s.vec16 = (K * elem) % 16 == 0 && aligned;
     s.splits = 1;
