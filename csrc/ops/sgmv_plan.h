@@ -54,8 +54,9 @@ struct ShrinkPlan {
 // computes its 16 columns alone (the same MMA chain over its split's K range whatever the CTA), so this choice, unlike
 // the splits, may follow the batch: bits do not change. Narrower CTAs spread a decode batch's few items over more
 // SMs. H100, layer µs (bench_kernels, the best order; 4 warps x 4 stages before -> this):
-// - few rows x columns (rows * N <= kShrinkNarrowWork: one warp, 8 stages): r64 bs1 28.7 -> 26.7,
-//   r16 16x1 uniform 39.4 -> 36.5, r16 bs1 21.7 -> 21.9 (noise);
+// - up to 16 rows with few rows x columns (rows * N <= kShrinkNarrowWork: one warp, 8 stages): r64 bs1 28.7 -> 26.7,
+//   r16 16x1 uniform 39.4 -> 36.5, r16 bs1 21.7 -> 21.9 (noise); not at 64 rows (r16 64x1 sorted 60.0, where o and
+//   down, N = 16, are within the bound);
 // - other batches up to 16 rows: 4 warps (r64 16x1: 77.0 against 78.5 with 2 warps, 80.5 with one x 8 stages);
 // - 17 rows up to kReduceFirstRows: 2 warps: r16 64x1 uniform 57.6 -> 54.4, 256x1 90.1 -> 87.3; r64 64x1 136 -> 136,
 //   256x1 188 -> 186 (one warp: as fast sorted, but r64 unsorted 260 against 232 at 64x1);
@@ -72,7 +73,7 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
     const int64_t chunk = std::max<int64_t>(cdiv(cdiv(K, splits), kMmaBK) * kMmaBK, kMmaBK);
     s.k_chunk = static_cast<int>(chunk);
     s.splits = static_cast<int>(std::max<int64_t>(1, cdiv(K, chunk)));
-    const bool narrow = rows * N <= kShrinkNarrowWork;
+    const bool narrow = rows <= kTileM && rows * N <= kShrinkNarrowWork;
     s.warps = narrow ? 1 : (rows <= kTileM || rows >= kReduceFirstRows ? 4 : 2);
     s.stages = narrow ? 8 : kShrinkStages;
     s.n_tiles = static_cast<int>(cdiv(N, int64_t{kWarpN} * s.warps));
