@@ -7,7 +7,8 @@
 // the sum of p.splits planes taken in plane order (the shrink's fp32 partials inside sgmv_apply), then
 // rounded to T for the MMA. The first weight slab is requested before griddep_wait; v and out after
 // it. The epilogue adds scaling * acc to the out tile in shared memory and writes it back with 16-byte
-// stores. Rows of slot -1 / rank-0 tiles are not touched. Raw pointers only; no torch headers.
+// stores. Rows of slot -1 / rank-0 tiles are not touched. ONE_ROW (one row of out, ops/sgmv_plan.h): the row's
+// planes are loaded by every thread row at once (one_row_planes), the same sums. Raw pointers only; no torch headers.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -69,27 +70,66 @@ __device__ __forceinline__ void store_out_tile(const T* out_sm, T* out, int out_
   }
 }
 
+// One row of out (ONE_ROW): f = the planes of tile row `first` (the batch's row) at this thread's quad, summed in plane
+// order from 0 as sum_planes4 does. All 16 thread rows load its planes at once (staged in shared memory): one L2
+// round trip instead of one per kPlaneBatch planes (32 planes at o and down, r16). H100, layer µs, same call: r16 bs1
+// 22.2 (before) -> 20.3 with the planes in guarded batches; in a later call guarded batches 21.8, this 19.7; r64 bs1
+// 27.4 -> 26.4 (batches), then 27.1 (batches) / 27.0 (this). Block-uniform; the caller's barrier orders the reads of
+// `stage` before the next slab's writes.
+constexpr int kOneRowPlanes = 32;  // max_splits (ops/sgmv_plan.h) at most
+template <typename V>
+__device__ __forceinline__ bool one_row_planes(float (&f)[4], const V* v, const ExpandArgs& p, const ExpandItem& it,
+                                               const int* rows_sm, int j0) {
+  __shared__ float4 stage[kOneRowPlanes][kTileM];
+  int first = -1;
+#pragma unroll
+  for (int k = kTileM - 1; k >= 0; --k)
+    if (rows_sm[k] >= 0) first = k;
+  if (first < 0 || p.splits > kOneRowPlanes) return false;
+  const int r = threadIdx.x >> 4, q = threadIdx.x & 15;
+  const V* src = v + static_cast<int64_t>(rows_sm[first]) * p.N + it.vcol0 + j0;
+  Pack<V, 4> pk[kOneRowPlanes / kTileM];
+#pragma unroll
+  for (int u = 0; u < kOneRowPlanes / kTileM; ++u)
+    if (j0 < it.ti.rank && r + u * kTileM < p.splits) pk[u] = load_cg<V, 4>(src + (r + u * kTileM) * p.split_stride);
+#pragma unroll
+  for (int u = 0; u < kOneRowPlanes / kTileM; ++u)
+    if (j0 < it.ti.rank && r + u * kTileM < p.splits)
+      stage[r + u * kTileM][q] = make_float4(to_float(pk[u].v[0]), to_float(pk[u].v[1]), to_float(pk[u].v[2]),
+                                             to_float(pk[u].v[3]));
+  __syncthreads();
+  if (r != first || j0 >= it.ti.rank) return r == first;
+  for (int sp = 0; sp < p.splits; ++sp) {
+    const float4 g = stage[sp][q];
+    f[0] += g.x;
+    f[1] += g.y;
+    f[2] += g.z;
+    f[3] += g.w;
+  }
+  return true;
+}
+
 // vs = v[rows, slice columns kt*64 .. +64] as T: the planes summed in order, 0 past the rank and for
 // rows outside the tile. v is read through L2 only: an earlier grid wrote it.
-template <typename T, typename V>
+template <typename T, typename V, bool ONE_ROW>
 __device__ __forceinline__ void expand_fill_v(T* vs, const V* v, const ExpandArgs& p, const ExpandItem& it,
                                               const int* rows_sm, int kt) {
+  static_assert(kTileM * kMmaBK / 4 == kExpandThreads, "one (row, quad) a thread");
+  const int r = threadIdx.x >> 4, q = threadIdx.x & 15;
+  const int j0 = kt * kMmaBK + q * 4;
+  float f[4] = {0.f, 0.f, 0.f, 0.f};
+  const int64_t row = rows_sm[r];
+  bool done = false;
+  if constexpr (ONE_ROW) done = one_row_planes(f, v, p, it, rows_sm, j0);
+  if (row >= 0 && j0 < it.ti.rank) {
+    if (!done) sum_planes4(f, v + row * p.N + it.vcol0 + j0, p.split_stride, p.splits);
 #pragma unroll
-  for (int i = 0; i < (kTileM * kMmaBK / 4) / kExpandThreads; ++i) {
-    const int idx = threadIdx.x + i * kExpandThreads, r = idx >> 4, q = idx & 15;
-    const int j0 = kt * kMmaBK + q * 4;
-    float f[4] = {0.f, 0.f, 0.f, 0.f};
-    const int64_t row = rows_sm[r];
-    if (row >= 0 && j0 < it.ti.rank) {
-      sum_planes4(f, v + row * p.N + it.vcol0 + j0, p.split_stride, p.splits);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) f[e] = j0 + e < it.ti.rank ? f[e] : 0.f;
-    }
-    Pack<T, 4> t;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(f[e]);
-    *reinterpret_cast<Pack<T, 4>*>(vs + swz(r, q >> 1) + (q & 1) * 4) = t;
+    for (int e = 0; e < 4; ++e) f[e] = j0 + e < it.ti.rank ? f[e] : 0.f;
   }
+  Pack<T, 4> t;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(f[e]);
+  *reinterpret_cast<Pack<T, 4>*>(vs + swz(r, q >> 1) + (q & 1) * 4) = t;
 }
 
 // out tile += scale * acc in shared memory, then 16-byte stores of the covered rows.
@@ -108,7 +148,7 @@ __device__ __forceinline__ void expand_epilogue(const TileAcc& acc, T* out_sm, T
   store_out_tile<T, kTileM>(out_sm, out, p.out_total, rows_sm, it.n0, it.n_end);
 }
 
-template <typename T, typename V>
+template <typename T, typename V, bool ONE_ROW>
 __device__ __forceinline__ void expand_item_mma(const V* v, const T* b, T* out, const ExpandArgs& p,
                                                 const ExpandItem& it, const int* rows_sm, T* out_sm, bool& waited) {
   T* vs = out_sm + kTileM * kExpandOutLd;  // [kTileM * kMmaBK]
@@ -126,7 +166,7 @@ __device__ __forceinline__ void expand_item_mma(const V* v, const T* b, T* out, 
       load_out_tile<T, kTileM>(out_sm, out, p.out_total, rows_sm, it.n0, it.n_end);
       cp_async_commit();
     }
-    expand_fill_v(vs, v, p, it, rows_sm, kt);
+    expand_fill_v<T, V, ONE_ROW>(vs, v, p, it, rows_sm, kt);
     cp_async_wait<0>();
     __syncthreads();  // vs, bs (and the out tile) are complete
     if (warp_live)
@@ -137,7 +177,7 @@ __device__ __forceinline__ void expand_item_mma(const V* v, const T* b, T* out, 
   expand_epilogue(acc, out_sm, out, p, it, rows_sm);
 }
 
-template <typename T, typename V>
+template <typename T, typename V, bool ONE_ROW>
 __global__ void __launch_bounds__(kExpandThreads)
     sgmv_expand_mma_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -157,7 +197,7 @@ __global__ void __launch_bounds__(kExpandThreads)
     __syncthreads();  // the previous item is done with rows_sm and out_sm
     fill_tile_rows(rows_sm, p.w, it.ti);
     __syncthreads();
-    expand_item_mma<T, V>(v, b, out, p, it, rows_sm, out_sm, waited);
+    expand_item_mma<T, V, ONE_ROW>(v, b, out, p, it, rows_sm, out_sm, waited);
   }
   // Every CTA waits on the producer before it exits: the stream's next kernel is ordered after this
   // grid only, so a grid that finished early (no LoRA rows) could otherwise let it overtake the shrink.
@@ -165,8 +205,11 @@ __global__ void __launch_bounds__(kExpandThreads)
 }
 
 template <typename T, typename V>
-cudaError_t launch_expand_mma(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<sgmv_expand_mma_kernel<T, V>>(cfg, kExpandThreads, kExpandSmemBytes, v, b, out, p);
+cudaError_t launch_expand_mma(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg,
+                              bool one_row) {
+  if (one_row)
+    return launch_kernel<sgmv_expand_mma_kernel<T, V, true>>(cfg, kExpandThreads, kExpandSmemBytes, v, b, out, p);
+  return launch_kernel<sgmv_expand_mma_kernel<T, V, false>>(cfg, kExpandThreads, kExpandSmemBytes, v, b, out, p);
 }
 
 }  // namespace lora_kernels

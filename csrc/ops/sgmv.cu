@@ -272,7 +272,8 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   if (ep.n_tiles == 0) return;
   int planes = sp.splits;
   at::Tensor v_sum;
-  if (planes > 1 && x.size(0) >= kReduceFirstRows) {
+  const int64_t reduce_rows = ep.kernel == ExpandKernel::stream ? kReduceFirstRowsStream : kReduceFirstRows;
+  if (planes > 1 && x.size(0) >= reduce_rows) {
     // Many rows: sum the planes once instead of in every column tile of the expand (same order, same bits).
     v_sum = at::empty({x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
     run_split_reduce(wsp, v_sum.data_ptr(), at::kFloat, p, make_cfg(max_tiles, 4));

@@ -23,7 +23,7 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
           C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg)));
           return;
         case ExpandKernel::mma:
-          C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg)));
+          C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg, plan.one_row)));
           return;
         case ExpandKernel::simt:
           break;

@@ -27,6 +27,10 @@ inline int64_t max_splits(int64_t N) { return N <= 16 ? 32 : (N <= 32 ? 16 : 8);
 // sgmv_apply sums the split-K planes in a kernel of its own (instead of in every column tile of the
 // expand) from this many rows of x on. The same sums in the same order either way: no bit changes.
 constexpr int64_t kReduceFirstRows = 1024;
+// ... and from this many rows where the expand is the streaming warps' (kernels/sgmv_expand_stream.cuh), which read a
+// single plane without summing. H100, layer µs, sorted: r16 256x1 uniform 86.5 -> 84.0, 256x1 identical 64.2 -> 57.8;
+// 64x1 uniform measured 54.6 -> 57.1 from 32 rows. Not for the 16-row kernel: r64 256x1 uniform 187 -> 190.
+constexpr int64_t kReduceFirstRowsStream = 128;
 // The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
 // choice keeps batch invariance): from kTallExpandRows rows on, 64-row items (kernels/sgmv_expand_tall.cuh: the
 // 16-row kernel is issue-bound there); below, from 2 rows and up to R = kStreamMaxR, warps streaming 16-row items
@@ -96,6 +100,7 @@ struct ExpandPlan {
   int n_tiles;                     // column tiles over all slices
   int tile_start[kMaxSlices + 1];  // first column tile of each slice
   int ctas_per_sm;
+  bool one_row;  // one row of out: the mma kernel loads the row's planes all at once (kernels/sgmv_expand_mma.cuh)
 };
 
 // aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements; rows: rows of out.
@@ -105,6 +110,7 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   bool offsets8 = true;
   for (int i = 0; i <= num_slices; ++i) offsets8 = offsets8 && offsets[i] % 8 == 0;
   const bool mma = elem == 2 && R % 8 == 0 && offsets8 && aligned;
+  e.one_row = rows == 1;
   const auto pick_kernel = [&e](ExpandKernel kernel, int cols, int ctas_per_sm) {
     e.kernel = kernel;
     e.cols = cols;
