@@ -67,12 +67,13 @@ __device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T
   constexpr int BK = kMmaBK, BM = kTileM, BN = ShrinkShape<W>::bn;
   const int KT = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
   const int tid = threadIdx.x, chunk = tid & 7, lane = tid & 31, warp = tid >> 5;
+  constexpr int kRowStep = ShrinkShape<W>::threads / 8;  // rows between a thread's copies
   auto load_w = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
     for (int i = 0; i < ShrinkShape<W>::w_copies; ++i) {
       const bool ok = cp.wok[i] && kok;
-      cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * (ShrinkShape<W>::threads / 8), chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
+      cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * kRowStep, chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
     }
   };
   auto load_x = [&](int stage, int kt) {
@@ -80,7 +81,7 @@ __device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T
 #pragma unroll
     for (int i = 0; i < ShrinkShape<W>::x_copies; ++i) {
       const bool ok = cp.xok[i] && kok;
-      cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * (ShrinkShape<W>::threads / 8), chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
+      cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * kRowStep, chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
     }
   };
 #pragma unroll
