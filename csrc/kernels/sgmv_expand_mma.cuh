@@ -98,7 +98,7 @@ __device__ __forceinline__ bool one_row_planes(float (&f)[4], const V* v, const 
       stage[r + u * kTileM][q] = make_float4(to_float(pk[u].v[0]), to_float(pk[u].v[1]), to_float(pk[u].v[2]),
                                              to_float(pk[u].v[3]));
   __syncthreads();
-  if (r != first || j0 >= it.ti.rank) return r == first;
+  if (r != first || j0 >= it.ti.rank) return false;  // (past the rank the caller writes zeros either way)
   for (int sp = 0; sp < p.splits; ++sp) {
     const float4 g = stage[sp][q];
     f[0] += g.x;

@@ -22,6 +22,7 @@ constexpr int shrink_smem_bytes() { return ST * (kTileM + kWarpN * W) * kMmaBK *
 template <int W>
 struct ShrinkShape {
   static constexpr int threads = 32 * W, bn = kWarpN * W;
+  static constexpr int row_step = threads / 8;  // rows between a thread's copies (8 16-byte chunks a row)
   static constexpr int x_copies = kTileM * 8 / threads, w_copies = bn * 8 / threads;
   static_assert(x_copies * threads == kTileM * 8 && w_copies * threads == bn * 8, "copies cover the tiles exactly");
 };
@@ -46,13 +47,13 @@ __device__ __forceinline__ ShrinkCopy<T, W> shrink_copy_plan(const T* x, const T
   const int chunk = threadIdx.x & 7;
 #pragma unroll
   for (int i = 0; i < S::x_copies; ++i) {
-    const int r = (threadIdx.x >> 3) + i * (S::threads / 8);
+    const int r = (threadIdx.x >> 3) + i * S::row_step;
     cp.xok[i] = rows_sm[r] >= 0;
     cp.x[i] = x + static_cast<int64_t>(cp.xok[i] ? rows_sm[r] : 0) * p.K + kbeg + chunk * 8;
   }
 #pragma unroll
   for (int i = 0; i < S::w_copies; ++i) {
-    const int n = n0 + (threadIdx.x >> 3) + i * (S::threads / 8);
+    const int n = n0 + (threadIdx.x >> 3) + i * S::row_step;
     cp.wok[i] = n < p.N && n % p.R < ti.rank;
     cp.w[i] = a + (static_cast<int64_t>(ti.slot) * p.N + (cp.wok[i] ? n : 0)) * p.K + kbeg + chunk * 8;
   }
@@ -67,7 +68,7 @@ __device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T
   constexpr int BK = kMmaBK, BM = kTileM, BN = ShrinkShape<W>::bn;
   const int KT = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
   const int tid = threadIdx.x, chunk = tid & 7, lane = tid & 31, warp = tid >> 5;
-  constexpr int kRowStep = ShrinkShape<W>::threads / 8;  // rows between a thread's copies
+  constexpr int kRowStep = ShrinkShape<W>::row_step;
   auto load_w = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
