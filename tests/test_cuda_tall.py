@@ -1,8 +1,8 @@
-"""The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): the tall expand (items of four work-list
-tiles) from 1024 rows of out on, the streaming warps (R <= 16) from 2 rows, the 16-row kernel at one row and beyond
-R = 16. Every row has the same bits under each (batch invariance across the switches), right against float64, rows
-without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool rank and several rank
-slabs all occur here."""
+"""The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): from 1024 rows of out on the register
+expand (R <= 64) or the tall expand (items of four work-list tiles), the streaming warps (R <= 16) from 2 rows, the
+16-row kernel at one row and beyond R = 16. Every row has the same bits under each (batch invariance across the
+switches), right against float64, rows without LoRA untouched. Item groups that mix slots, slot -1, short tiles,
+ranks below the pool rank and several rank slabs all occur here."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the CUDA extension and a GPU")]
 
 TALL_ROWS = 1024  # kTallExpandRows (csrc/ops/sgmv_plan.h)
+REGS_MAX_R = 64  # kRegsMaxR (csrc/kernels/sgmv_expand_regs.cuh)
 SEGMENTS = ([5, 17, 33, 1, 0, 100, 64, 3, 16, 48], [0, 1, 2, -1, 3, 1, 1, 4, 0, 2])  # 287 rows: tiles of mixed slots
 SHAPES = {  # R, slice widths, pool ranks (some below R, several 64-wide rank slabs where R > 64)
     "qkv_r16": (16, (4096, 1024, 1024), [16, 8, 16, 3, 16, 12]),
@@ -56,17 +57,19 @@ def _info(seg_lens, slots, ranks, scal):
     return make_info(seg_lens, slots, None, torch.tensor(ranks, dtype=torch.int32, device="cuda"), scal, "cuda")
 
 
+@pytest.mark.parametrize("in_dim", [256, 1024], ids=["k256", "k1024"])
 @pytest.mark.parametrize("filler_first", [False, True], ids=["filler_last", "filler_first"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
-    """The rows of SEGMENTS alone (287 rows: the 16-row kernel) and inside a batch with a 1100-row segment (the tall
-    kernel, the rows' tiles grouped differently by where the filler sits): torch.equal, for apply_lora and
-    for sgmv_expand on a given v (fp32 and the adapters' dtype); the big batch is right against float64 and leaves
-    rows of slot -1 untouched."""
+def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
+    """The rows of SEGMENTS alone (287 rows: the 16-row or streaming kernel) and inside a batch with a 1100-row
+    segment (the register or tall kernel, the rows' tiles grouped differently by where the filler sits): torch.equal,
+    for apply_lora and for sgmv_expand on a given v (fp32 and the adapters' dtype); the big batch is right against
+    float64 and leaves rows of slot -1 untouched. At in_dim 1024 the shrink splits K, and the big batch's planes are
+    summed once into a v of the adapters' dtype before its expand."""
     R, widths, ranks = SHAPES[shape]
-    g = torch.Generator().manual_seed(2 * list(SHAPES).index(shape) + filler_first)
-    a, b, offs, scal, x, base, v = _problem(g, dtype, shape)
+    g = torch.Generator().manual_seed(4 * list(SHAPES).index(shape) + 2 * filler_first + (in_dim > 256))
+    a, b, offs, scal, x, base, v = _problem(g, dtype, shape, in_dim)
     in_dim = x.shape[1]
     seg_lens, slots = SEGMENTS
     n = sum(seg_lens)
@@ -87,7 +90,8 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first):
     lk.apply_lora(x, out_s, a, b, info_s, offs, backend="cuda")
     names = launched_sgmv_kernels(lambda: lk.apply_lora(big[2], out_b, a, b, info_b, offs, backend="cuda"))
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
-        assert any("expand_tall" in k for k in names), names
+        kernel = "expand_regs" if R <= REGS_MAX_R else "expand_tall"
+        assert any(kernel in k for k in names), names
     assert torch.equal(out_b[mine], out_s)
     for vd in (torch.float32, dtype):  # v in fp32 and in the adapters' dtype: both kernels' V instantiations
         e_s, e_b = base.clone(), big[3].clone()

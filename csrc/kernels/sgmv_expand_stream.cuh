@@ -207,12 +207,18 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
   int row;
   // The first stages' B blocks before griddep_wait, their out rows after it: groups B0 .. B(S-2), then one of outs.
   for (int s = 0; s + 1 < kStreamStages; ++s) {
-    if (i0 + s < i1) stream_issue_b(ws, s, b, p, stream_item(p, i0 + s, lane, row), row, lane);
+    if (i0 + s < i1) {
+      const StreamItem it = stream_item(p, i0 + s, lane, row);
+      stream_issue_b(ws, s, b, p, it, row, lane);
+    }
     cp_async_commit();
   }
   griddep_wait();  // v and out are written by earlier kernels; every CTA waits (see sgmv_expand_mma_kernel)
   for (int s = 0; s + 1 < kStreamStages; ++s)
-    if (i0 + s < i1) stream_issue_out(ws, s, out, p, stream_item(p, i0 + s, lane, row), row, lane);
+    if (i0 + s < i1) {
+      const StreamItem it = stream_item(p, i0 + s, lane, row);
+      stream_issue_out(ws, s, out, p, it, row, lane);
+    }
   cp_async_commit();
   __syncwarp();  // the stages' items and rows
   StreamA a;

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/sgmv_expand_mma.cuh"
+#include "kernels/sgmv_expand_regs.cuh"
 #include "kernels/sgmv_expand_stream.cuh"
 #include "kernels/sgmv_expand_tall.cuh"
 #include "kernels/sgmv_fused_cluster.cuh"
@@ -32,14 +33,17 @@ constexpr int64_t kReduceFirstRows = 1024;
 // 64x1 uniform measured 54.6 -> 57.1 from 32 rows. Not for the 16-row kernel: r64 256x1 uniform 187 -> 190.
 constexpr int64_t kReduceFirstRowsStream = 128;
 // The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
-// choice keeps batch invariance): from kTallExpandRows rows on, 64-row items (kernels/sgmv_expand_tall.cuh: the
-// 16-row kernel is issue-bound there); below, from 2 rows and up to R = kStreamMaxR, warps streaming 16-row items
+// choice keeps batch invariance): from kTallExpandRows rows on, warps holding B in registers
+// (kernels/sgmv_expand_regs.cuh) up to R = kRegsMaxR, else 64-row items (kernels/sgmv_expand_tall.cuh: the 16-row
+// kernel is issue-bound there); below, from 2 rows and up to R = kStreamMaxR, warps streaming 16-row items
 // (kernels/sgmv_expand_stream.cuh); else the 16-row kernel (kernels/sgmv_expand_mma.cuh). The header of each says
 // where it measured faster. The tall grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go
 // overlap one item's stores with the next one's loads; a persistent double-buffered form measured slower, and 256
-// CTAs 2% slower than 64).
+// CTAs 2% slower than 64). The register expand's grid is what the SMs hold at once (its launcher asks the occupancy
+// API; kRegsCtasPerSm bounds it).
 constexpr int64_t kTallExpandRows = 1024;
 constexpr int kTallCtasPerSm = 64;
+constexpr int kRegsCtasPerSm = 8;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -92,7 +96,7 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
   return s;
 }
 
-enum class ExpandKernel { simt, mma, stream, tall };
+enum class ExpandKernel { simt, mma, stream, tall, regs };
 
 struct ExpandPlan {
   ExpandKernel kernel;
@@ -118,6 +122,8 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   };
   if (!mma)
     pick_kernel(ExpandKernel::simt, kSimtExpandBN, 4);
+  else if (rows >= kTallExpandRows && R <= kRegsMaxR)
+    pick_kernel(ExpandKernel::regs, kRegsCols, kRegsCtasPerSm);
   else if (rows >= kTallExpandRows)
     pick_kernel(ExpandKernel::tall, kExpandBN, kTallCtasPerSm);
   else if (R <= kStreamMaxR && rows >= 2)
@@ -134,9 +140,10 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
 }
 
 // Most CTAs the expand's grid can use for max_tiles work-list tiles: one per item (a tall item takes kTallTiles
-// tiles; a stream CTA takes kStreamWarps items at once).
+// tiles; a stream or register CTA takes kStreamWarps / kRegsWarps items at once).
 inline int64_t expand_items_upper(const ExpandPlan& e, int64_t max_tiles) {
   if (e.kernel == ExpandKernel::tall) return cdiv(max_tiles, kTallTiles) * e.n_tiles;
+  if (e.kernel == ExpandKernel::regs) return cdiv(max_tiles * e.n_tiles, kRegsWarps);
   if (e.kernel == ExpandKernel::stream) return cdiv(max_tiles * e.n_tiles, kStreamWarps);
   return max_tiles * e.n_tiles;
 }

@@ -1,0 +1,254 @@
+// The tensor-core expand for prefill (from kTallExpandRows rows of out, pool rank R <= kRegsMaxR; ops/sgmv_plan.h):
+// independent warps that keep a B block's fragments in registers.
+//   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
+// A warp item is one work-list tile (16 rows) x kRegsCols = 64 columns of one slice. Items are numbered column tile
+// first, and each warp takes a contiguous run of them, so consecutive items share a column tile and, within a
+// segment, a slot: the B fragments (loaded from global memory straight into registers) serve the whole run. A warp
+// keeps ST - 1 items' out rows and v rows in flight (cp.async into its own shared-memory stages) while it computes
+// one; no block barrier. The warp's 64 columns are laid out so that lane quad t's accumulators are the 16 consecutive
+// columns 16 t .. 16 t + 15 (n8 tile nt, accumulator column c -> column 16 (c / 2) + 2 nt + c % 2): the epilogue
+// reads a lane's out row as two 16-byte chunks and stores them as such. v is one plane: sgmv_apply sums the split
+// planes first, into a v of T (the same sums and rounding as every expand's, half the bytes of fp32).
+// Why: the tall kernel runs 64 x 128 tiles through shared memory behind block barriers, loads B per item and sums
+// v's planes per column tile; ncu found it at 30-45% of DRAM bandwidth at prefill (gate_up r16 472 µs, r64 832).
+// Layer µs at prefill 8x1024 on an H100 (bench_kernels, the same call): tall 1120 / 1750 (r16 / r64) -> this 948 /
+// 1240; a first form that kept one item's out rows and v in registers (no stages) 1120 / 2190. At decode (2 to 1023
+// rows) it lost to the stream and 16-row kernels at every case measured (a B block per item: r64 64x1 uniform sorted
+// 271 against 137, r16 256x1 sorted 106 against 85).
+//
+// Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps (those under the rank) of the same
+// operands (v summed over its planes in plane order from 0, rounded to T, 0 past the rank; B 0 past the rank) with
+// the same fma epilogue as the 16-row, stream and tall kernels. Which n8 slot of an MMA holds a column does not enter
+// the column's sum. So the choice among the kernels (by rows and R, ops/sgmv_plan.h) keeps batch invariance.
+// Raw pointers only; no torch headers.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "kernels/launch.cuh"
+#include "kernels/mma_tile.cuh"
+
+namespace lora_kernels {
+
+constexpr int kRegsWarps = 4, kRegsThreads = 32 * kRegsWarps, kRegsMaxR = 64;
+constexpr int kRegsNT = 8, kRegsCols = 8 * kRegsNT;  // n8 tiles and columns of a warp item
+
+// Column (0..63) of n8 tile nt, accumulator column c (0..7).
+__device__ __forceinline__ int regs_col(int nt, int c) { return 16 * (c >> 1) + 2 * nt + (c & 1); }
+
+// One warp item: the tile's slot (-1: nothing to do), rank, the item's columns [n0, n_end) and v column of its
+// slice.
+struct RegsItem {
+  int slot, rank, ct, n0, n_end, vcol0;
+};
+
+// Item `item` (column tile item / tiles, tile item % tiles) and, in lanes 0..15, the physical row of tile row `lane`
+// (-1 where none).
+__device__ __forceinline__ RegsItem regs_item(const ExpandArgs& p, int item, int tiles, int lane, int& row) {
+  const int ct = item / tiles, sl = slice_of(p, ct);
+  const TileInfo ti = load_tile(p.w, item % tiles, p.R);
+  row = ti.slot >= 0 && lane < kTileM ? tile_row(p.w, ti, lane) : -1;
+  return RegsItem{ti.slot, ti.rank, ct, pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kRegsCols,
+                  pick(p.offsets, sl + 1), sl * p.R};
+}
+
+// A stage of one warp's pipeline: the item, its rows, its out rows (16-byte chunk c of row r at c ^ (r % 8): the
+// fragment-order reads of a quarter warp, two rows, hit distinct banks) and its v rows (KS k16 steps, padded by 16
+// bytes: the 4-byte fragment reads of 8 rows hit distinct banks).
+template <typename V, int KS>
+struct alignas(16) RegsStage {
+  static constexpr int v_chunks = KS * 16 * static_cast<int>(sizeof(V)) / 16, v_ld = (v_chunks + 1) * 16;
+  uint4 out[kTileM * kRegsCols / 8];
+  unsigned char v[kTileM * v_ld];
+  RegsItem item;
+  int rows[kTileM];
+};
+
+template <int KS>
+constexpr int regs_stages() { return KS <= 2 ? 4 : 3; }
+template <int KS>
+constexpr int regs_min_ctas() { return KS <= 2 ? 4 : 3; }  // register budgets: 128, 170 a thread
+template <typename V, int KS>
+constexpr int regs_smem_bytes() { return kRegsWarps * regs_stages<KS>() * static_cast<int>(sizeof(RegsStage<V, KS>)); }
+
+// Two 16-bit elements (k, k + 1) of a B row as one fragment register, 0 at and past `rank`.
+template <typename T>
+__device__ __forceinline__ uint32_t regs_pair(const T* src, int k, int rank) {
+  if (k >= rank) return 0u;
+  uint32_t r = __ldg(reinterpret_cast<const unsigned*>(src));
+  if (k + 1 >= rank) r &= 0xffffu;  // little-endian: element k is the low half
+  return r;
+}
+
+// B fragments of the item's slot and columns for KS k16 steps: f[ks][nt][h] holds B[n][16 ks + 8 h + 2 t, +1] for
+// the lane's fragment column n = n0 + regs_col(nt, g); 0 past the rank and the slice. No kernel writes the weights.
+template <typename T, int KS>
+__device__ __forceinline__ void regs_load_b(uint32_t (&f)[KS][kRegsNT][2], const T* b, const ExpandArgs& p,
+                                            const RegsItem& it, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < kRegsNT; ++nt) {
+    const int n = it.n0 + regs_col(nt, g);
+    const T* src = b + (static_cast<int64_t>(it.slot) * p.out_total + (n < it.n_end ? n : it.n0)) * p.R;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k = 16 * ks + 8 * h + 2 * t;
+        f[ks][nt][h] = n < it.n_end ? regs_pair(src + k, k, it.rank) : 0u;
+      }
+  }
+}
+
+// The stage <- item, rows (lanes 0..15 hold them), out rows and v rows by cp.async (v zero-filled past the rank, and
+// for rows that do not exist). After griddep_wait: an earlier kernel writes v and out.
+template <typename T, typename V, int KS>
+__device__ __forceinline__ void regs_issue(RegsStage<V, KS>& st, const V* v, const T* out, const ExpandArgs& p,
+                                           const RegsItem& it, int row, int lane) {
+  using S = RegsStage<V, KS>;
+  if (lane == 0) st.item = it;
+  if (lane < kTileM) st.rows[lane] = row;
+  if (it.slot < 0) return;  // warp-uniform
+#pragma unroll
+  for (int i = 0; i < kTileM * 8 / 32; ++i) {  // out: 8 chunks a row
+    const int r = (lane >> 3) + 4 * i, c = lane & 7, n = it.n0 + 8 * c;
+    const int rr = __shfl_sync(0xffffffffu, row, r);
+    if (rr >= 0 && n < it.n_end)
+      cp_async16(&st.out[r * 8 + (c ^ (r & 7))], out + static_cast<int64_t>(rr) * p.out_total + n, 16);
+  }
+  constexpr int kElems = 16 / static_cast<int>(sizeof(V));
+#pragma unroll
+  for (int i = 0; i < (kTileM * S::v_chunks + 31) / 32; ++i) {  // v: v_chunks a row
+    const int idx = lane + 32 * i, r = idx / S::v_chunks, c = idx % S::v_chunks;
+    const int rr = __shfl_sync(0xffffffffu, row, r % kTileM);
+    if (idx < kTileM * S::v_chunks) {
+      const int k = c * kElems, bytes = rr >= 0 ? max(0, min(16, (it.rank - k) * static_cast<int>(sizeof(V)))) : 0;
+      cp_async16(st.v + r * S::v_ld + c * 16, bytes ? v + static_cast<int64_t>(rr) * p.N + it.vcol0 + k : v, bytes);
+    }
+  }
+}
+
+// The stage's item: A fragments of v from the stage (rounded to T), the MMAs over the k16 steps under the rank, then
+// out = fma(scale, acc, out) from the staged rows and 16-byte stores.
+template <typename T, typename V, int KS>
+__device__ __forceinline__ void regs_compute(const RegsStage<V, KS>& st, const uint32_t (&bf)[KS][kRegsNT][2], T* out,
+                                             const ExpandArgs& p, int lane) {
+  using S = RegsStage<V, KS>;
+  const RegsItem it = st.item;
+  const int g = lane >> 2, t = lane & 3;
+  WarpAcc<1, kRegsNT> acc;
+  zero_acc(acc);
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    if (16 * ks >= it.rank) break;
+    uint32_t a[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = g + 8 * (q & 1), k = 16 * ks + 8 * (q >> 1) + 2 * t;
+      const Pack<V, 2> pv = *reinterpret_cast<const Pack<V, 2>*>(st.v + r * S::v_ld + k * sizeof(V));
+      Pack<T, 2> pk;
+      pk.v[0] = from_float<T>(0.f + to_float(pv.v[0]));
+      pk.v[1] = from_float<T>(0.f + to_float(pv.v[1]));
+      a[q] = *reinterpret_cast<const uint32_t*>(&pk);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kRegsNT; ++nt) mma_16816<T>(acc[0][nt], a, bf[ks][nt][0], bf[ks][nt][1]);
+  }
+  const float scale = p.scalings[it.slot];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h, row = st.rows[r];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int cc = 2 * t + c, n = it.n0 + 8 * cc;
+      if (row < 0 || n >= it.n_end) continue;
+      Pack<T, 8> pk = *reinterpret_cast<const Pack<T, 8>*>(&st.out[r * 8 + (cc ^ (r & 7))]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {  // chunk element e: the lane's column 8 c + e = 2 nt + j
+        const int nt = 4 * c + e / 2, j = e % 2;
+        pk.v[e] = from_float<T>(expand_out(to_float(pk.v[e]), scale, acc[0][nt][2 * h + j]));
+      }
+      *reinterpret_cast<Pack<T, 8>*>(out + static_cast<int64_t>(row) * p.out_total + n) = pk;
+    }
+  }
+}
+
+// v: one plane (the split reduction's sum, or v itself) of T or fp32; p.splits must be 1 (ops/sgmv.cu).
+template <typename T, typename V, int KS>
+__global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
+    sgmv_expand_regs_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
+  constexpr int ST = regs_stages<KS>();
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  RegsStage<V, KS>* st = reinterpret_cast<RegsStage<V, KS>*>(smem_raw) + warp * ST;
+  griddep_launch_dependents();
+  const int warps = gridDim.x * kRegsWarps, tiles = num_tiles(p.w), total = tiles * p.n_tiles;
+  const int per = (total + warps - 1) / warps;
+  const int i0 = (blockIdx.x * kRegsWarps + warp) * per, i1 = min(i0 + per, total);
+  uint32_t bf[KS][kRegsNT][2];
+  int b_slot = -1, b_ct = -1;  // whose fragments bf holds
+  int row;
+  if (i0 < i1) {  // the first item's B before griddep_wait: no kernel writes the weights
+    const RegsItem it = regs_item(p, i0, tiles, lane, row);
+    if (it.slot >= 0) {
+      regs_load_b<T, KS>(bf, b, p, it, lane);
+      b_slot = it.slot;
+      b_ct = it.ct;
+    }
+  }
+  griddep_wait();  // v and out are written by earlier kernels; every CTA waits (see sgmv_expand_mma_kernel)
+  for (int s = 0; s + 1 < ST; ++s) {
+    if (i0 + s < i1) {
+      const RegsItem it = regs_item(p, i0 + s, tiles, lane, row);
+      regs_issue<T, V, KS>(st[s], v, out, p, it, row, lane);
+    }
+    cp_async_commit();
+  }
+  for (int k = 0; i0 + k < i1; ++k) {
+    const int next = i0 + k + ST - 1;
+    if (next < i1) {
+      const RegsItem it = regs_item(p, next, tiles, lane, row);
+      regs_issue<T, V, KS>(st[(k + ST - 1) % ST], v, out, p, it, row, lane);
+    }
+    cp_async_commit();
+    cp_async_wait<ST - 1>();  // item k's group
+    __syncwarp();
+    const RegsStage<V, KS>& cur = st[k % ST];
+    const int slot = cur.item.slot, ct = cur.item.ct;
+    if (slot >= 0) {
+      if (slot != b_slot || ct != b_ct) {  // warp-uniform
+        regs_load_b<T, KS>(bf, b, p, cur.item, lane);
+        b_slot = slot;
+        b_ct = ct;
+      }
+      regs_compute<T, V, KS>(cur, bf, out, p, lane);
+    }
+    __syncwarp();  // the stage is refilled next
+  }
+}
+
+template <typename T, typename V, int KS>
+cudaError_t launch_expand_regs_ks(const V* v, const T* b, T* out, const ExpandArgs& p, LaunchCfg cfg) {
+  constexpr int smem = regs_smem_bytes<V, KS>();
+  // Each warp's run is fixed by the grid, so the grid is what the SMs hold at once (no CTA waits for another's end).
+  static const int per_sm = [] {
+    int blocks = 0;
+    if (allow_dynamic_smem<sgmv_expand_regs_kernel<T, V, KS>>(smem) != cudaSuccess) return 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sgmv_expand_regs_kernel<T, V, KS>, kRegsThreads,
+                                                         smem) == cudaSuccess ? blocks : 0;
+  }();
+  int dev = 0, sms = 0;
+  if (per_sm > 0 && cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && cfg.grid > per_sm * sms)
+    cfg.grid = per_sm * sms;
+  return launch_kernel<sgmv_expand_regs_kernel<T, V, KS>>(cfg, kRegsThreads, smem, v, b, out, p);
+}
+
+template <typename T, typename V>
+cudaError_t launch_expand_regs(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
+  if (p.R <= 16) return launch_expand_regs_ks<T, V, 1>(v, b, out, p, cfg);
+  if (p.R <= 32) return launch_expand_regs_ks<T, V, 2>(v, b, out, p, cfg);
+  return launch_expand_regs_ks<T, V, 4>(v, b, out, p, cfg);
+}
+
+}  // namespace lora_kernels
