@@ -5,16 +5,19 @@
 // first, and each warp takes a contiguous run of them, so consecutive items share a column tile and, within a
 // segment, a slot: the B fragments (loaded from global memory straight into registers) serve the whole run. A warp
 // keeps ST - 1 items' out rows and v rows in flight (cp.async into its own shared-memory stages) while it computes
-// one; no block barrier. The warp's 64 columns are laid out so that lane quad t's accumulators are the 16 consecutive
-// columns 16 t .. 16 t + 15 (n8 tile nt, accumulator column c -> column 16 (c / 2) + 2 nt + c % 2): the epilogue
-// reads a lane's out row as two 16-byte chunks and stores them as such. v is one plane: sgmv_apply sums the split
+// one; no block barrier. The warp's 64 columns are laid out (regs_col) so that lane quad t's accumulators are two
+// 16-byte chunks of out, columns 32 j + 8 t .. + 7: the epilogue reads a lane's out row as two chunks and stores
+// them as such, four lanes a 64-byte run of whole sectors. v is one plane: sgmv_apply sums the split
 // planes first, into a v of T (the same sums and rounding as every expand's, half the bytes of fp32).
 // Why: the tall kernel runs 64 x 128 tiles through shared memory behind block barriers, loads B per item and sums
 // v's planes per column tile; ncu found it at 30-45% of DRAM bandwidth at prefill (gate_up r16 472 µs, r64 832).
 // Layer µs at prefill 8x1024 on an H100 (bench_kernels, the same call): tall 1120 / 1750 (r16 / r64) -> this 948 /
-// 1240; a first form that kept one item's out rows and v in registers (no stages) 1120 / 2190. At decode (2 to 1023
-// rows) it lost to the stream and 16-row kernels at every case measured (a B block per item: r64 64x1 uniform sorted
-// 271 against 137, r16 256x1 sorted 106 against 85).
+// 1240, when lane quad t held columns 16 t .. + 15 (each store then wrote half of every sector it touched; ncu: L2 at
+// 80-86% of its peak); a first form that kept one item's out rows and v in registers (no stages) 1120 / 2190. With
+// whole sectors per store and the tall shrink (ops/sgmv_plan.h) the layer is 838 / 1090 (gate_up's expand at r16 by
+// ncu 402 -> 388 µs, L2 86% -> 69%). Reading the next item's metadata one iteration ahead was 2-5% slower. At decode
+// (2 to 1023 rows) it lost to the stream and 16-row kernels in every case measured (a B block per item: r64 64x1
+// uniform sorted 271 against 137, r16 256x1 sorted 106 against 85).
 //
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps (those under the rank) of the same
 // operands (v summed over its planes in plane order from 0, rounded to T, 0 past the rank; B 0 past the rank) with
@@ -33,8 +36,13 @@ namespace lora_kernels {
 constexpr int kRegsWarps = 4, kRegsThreads = 32 * kRegsWarps, kRegsMaxR = 64;
 constexpr int kRegsNT = 8, kRegsCols = 8 * kRegsNT;  // n8 tiles and columns of a warp item
 
-// Column (0..63) of n8 tile nt, accumulator column c (0..7).
-__device__ __forceinline__ int regs_col(int nt, int c) { return 16 * (c >> 1) + 2 * nt + (c & 1); }
+// Column (0..63) of n8 tile nt, accumulator column c (0..7): lane quad t = c / 2 holds the 16-byte chunks 4 j + t
+// (columns 32 j + 8 t .. + 7, j = 0, 1), tile nt = 4 j + e / 2 element e of chunk j.
+__device__ __forceinline__ int regs_col(int nt, int c) {
+  return 32 * (nt >> 2) + 8 * (c >> 1) + 2 * (nt & 3) + (c & 1);
+}
+// Where 16-byte chunk c of staged out row r lies: rows r and r + 1, read by one quarter warp, in opposite halves.
+__device__ __forceinline__ int regs_chunk(int r, int c) { return r * 8 + (c ^ ((r & 1) << 2)); }
 
 // One warp item: the tile's slot (-1: nothing to do), rank, the item's columns [n0, n_end) and v column of its
 // slice.
@@ -52,8 +60,8 @@ __device__ __forceinline__ RegsItem regs_item(const ExpandArgs& p, int item, int
                   pick(p.offsets, sl + 1), sl * p.R};
 }
 
-// A stage of one warp's pipeline: the item, its rows, its out rows (16-byte chunk c of row r at c ^ (r % 8): the
-// fragment-order reads of a quarter warp, two rows, hit distinct banks) and its v rows (KS k16 steps, padded by 16
+// A stage of one warp's pipeline: the item, its rows, its out rows (regs_chunk: the reads of a quarter warp, two
+// rows, hit distinct banks) and its v rows (KS k16 steps, padded by 16
 // bytes: the 4-byte fragment reads of 8 rows hit distinct banks).
 template <typename V, int KS>
 struct alignas(16) RegsStage {
@@ -114,7 +122,7 @@ __device__ __forceinline__ void regs_issue(RegsStage<V, KS>& st, const V* v, con
     const int r = (lane >> 3) + 4 * i, c = lane & 7, n = it.n0 + 8 * c;
     const int rr = __shfl_sync(0xffffffffu, row, r);
     if (rr >= 0 && n < it.n_end)
-      cp_async16(&st.out[r * 8 + (c ^ (r & 7))], out + static_cast<int64_t>(rr) * p.out_total + n, 16);
+      cp_async16(&st.out[regs_chunk(r, c)], out + static_cast<int64_t>(rr) * p.out_total + n, 16);
   }
   constexpr int kElems = 16 / static_cast<int>(sizeof(V));
 #pragma unroll
@@ -160,11 +168,11 @@ __device__ __forceinline__ void regs_compute(const RegsStage<V, KS>& st, const u
     const int r = g + 8 * h, row = st.rows[r];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const int cc = 2 * t + c, n = it.n0 + 8 * cc;
+      const int cc = 4 * c + t, n = it.n0 + 8 * cc;
       if (row < 0 || n >= it.n_end) continue;
-      Pack<T, 8> pk = *reinterpret_cast<const Pack<T, 8>*>(&st.out[r * 8 + (cc ^ (r & 7))]);
+      Pack<T, 8> pk = *reinterpret_cast<const Pack<T, 8>*>(&st.out[regs_chunk(r, cc)]);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {  // chunk element e: the lane's column 8 c + e = 2 nt + j
+      for (int e = 0; e < 8; ++e) {  // chunk element e: column 32 c + 8 t + e, n8 tile 4 c + e / 2
         const int nt = 4 * c + e / 2, j = e % 2;
         pk.v[e] = from_float<T>(expand_out(to_float(pk.v[e]), scale, acc[0][nt][2 * h + j]));
       }

@@ -1,11 +1,13 @@
 // Tensor-core shrink over the work list (fp16/bf16; in_dim % 8 == 0; x and lora_a 16-byte aligned):
 //   v[row, c] = sum_k x[row, k] * lora_a[slot, c, k]   for c % R < rank, else 0      (c < N = S*R)
-// Item (tile t, column tile nt, K split ks) of a persistent grid: a kTileM x 16 W block of the tile's rows and
-// columns over the split's K range, through an ST-stage cp.async pipeline; W warps side by side, each all kTileM
-// rows x 16 columns, its MMA chain over the split's k16 steps in order whatever W and ST (ops/sgmv_plan.h picks them
-// by the batch: the bits stay). splits == 1: the item writes v. splits > 1: it writes its fp32
-// partial sums to plane ks of ws, and a later kernel sums the planes in plane order (the batch-invariant
-// reduction: the split count comes from the shapes alone, see ops/sgmv_plan.h). Raw pointers only; no torch headers.
+// Item (group of MT work-list tiles, column tile nt, K split ks) of a persistent grid: a 16 MT x 16 W block of the
+// group's rows and columns over the split's K range, through an ST-stage cp.async pipeline, once per run of tiles
+// with one slot (the other rows masked); W warps side by side, each all 16 MT rows x 16 columns, its MMA chain over
+// the split's k16 steps in order whatever W, ST and MT (ops/sgmv_plan.h picks them by the batch: the bits stay). MT = 4
+// at prefill: one weight slab serves 64 rows instead of 16 (a prefill segment is many tiles of one slot). splits == 1:
+// the item writes v. splits > 1: it writes its fp32 partial sums to plane ks of ws, and a later kernel sums the planes
+// in plane order (the batch-invariant reduction: the split count comes from the shapes alone, see ops/sgmv_plan.h).
+// Raw pointers only; no torch headers.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -17,33 +19,33 @@ namespace lora_kernels {
 
 constexpr int kShrinkStages = 4;
 // A CTA of W warps: a column tile of 16 W columns; ST pipeline stages.
-template <int W, int ST>
-constexpr int shrink_smem_bytes() { return ST * (kTileM + kWarpN * W) * kMmaBK * 2; }
-template <int W>
+template <int W, int ST, int MT>
+constexpr int shrink_smem_bytes() { return ST * (kTileM * MT + kWarpN * W) * kMmaBK * 2; }
+template <int W, int MT>
 struct ShrinkShape {
-  static constexpr int threads = 32 * W, bn = kWarpN * W;
+  static constexpr int threads = 32 * W, bn = kWarpN * W, bm = kTileM * MT;
   static constexpr int row_step = threads / 8;  // rows between a thread's copies (8 16-byte chunks a row)
-  static constexpr int x_copies = kTileM * 8 / threads, w_copies = bn * 8 / threads;
-  static_assert(x_copies * threads == kTileM * 8 && w_copies * threads == bn * 8, "copies cover the tiles exactly");
+  static constexpr int x_copies = bm * 8 / threads, w_copies = bn * 8 / threads;
+  static_assert(x_copies * threads == bm * 8 && w_copies * threads == bn * 8, "copies cover the tiles exactly");
 };
 
 // Where each thread copies from: chunk (tid & 7) of rows (tid >> 3) + 4 W i of the x tile
 // (i < x_copies) and of the weight tile (i < w_copies), from the split's first K element;
 // masked rows (past the tile, columns at or past the rank) are zero-filled by cp.async, so they
 // contribute exact zeros.
-template <typename T, int W>
+template <typename T, int W, int MT>
 struct ShrinkCopy {
-  const T* x[ShrinkShape<W>::x_copies];
-  const T* w[ShrinkShape<W>::w_copies];
-  bool xok[ShrinkShape<W>::x_copies], wok[ShrinkShape<W>::w_copies];
+  const T* x[ShrinkShape<W, MT>::x_copies];
+  const T* w[ShrinkShape<W, MT>::w_copies];
+  bool xok[ShrinkShape<W, MT>::x_copies], wok[ShrinkShape<W, MT>::w_copies];
 };
 
-template <typename T, int W>
-__device__ __forceinline__ ShrinkCopy<T, W> shrink_copy_plan(const T* x, const T* a, const ShrinkArgs& p,
-                                                             const TileInfo& ti, const int* rows_sm, int n0,
-                                                             int kbeg) {
-  using S = ShrinkShape<W>;
-  ShrinkCopy<T, W> cp;
+template <typename T, int W, int MT>
+__device__ __forceinline__ ShrinkCopy<T, W, MT> shrink_copy_plan(const T* x, const T* a, const ShrinkArgs& p,
+                                                                 const TileInfo& ti, const int* rows_sm, int n0,
+                                                                 int kbeg) {
+  using S = ShrinkShape<W, MT>;
+  ShrinkCopy<T, W, MT> cp;
   const int chunk = threadIdx.x & 7;
 #pragma unroll
   for (int i = 0; i < S::x_copies; ++i) {
@@ -62,17 +64,19 @@ __device__ __forceinline__ ShrinkCopy<T, W> shrink_copy_plan(const T* x, const T
 
 // acc = the warp's block of x_tile * w_tile^T over K range [kbeg, kend). The weight slabs of the first
 // stages are requested before griddep_wait (no kernel writes weights); x only after it.
-template <typename T, int W, int ST>
-__device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T, W>& cp, const T* x, const T* a,
-                                                T* xs, T* wt, int kbeg, int kend, bool warp_live, bool& waited) {
-  constexpr int BK = kMmaBK, BM = kTileM, BN = ShrinkShape<W>::bn;
+template <typename T, int W, int ST, int MT>
+__device__ __forceinline__ void shrink_pipeline(WarpAcc<MT, kWarpNT>& acc, const ShrinkCopy<T, W, MT>& cp, const T* x,
+                                                const T* a, T* xs, T* wt, int kbeg, int kend, bool warp_live,
+                                                bool& waited) {
+  using S = ShrinkShape<W, MT>;
+  constexpr int BK = kMmaBK, BM = S::bm, BN = S::bn;
   const int KT = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
   const int tid = threadIdx.x, chunk = tid & 7, lane = tid & 31, warp = tid >> 5;
-  constexpr int kRowStep = ShrinkShape<W>::row_step;
+  constexpr int kRowStep = S::row_step;
   auto load_w = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
-    for (int i = 0; i < ShrinkShape<W>::w_copies; ++i) {
+    for (int i = 0; i < S::w_copies; ++i) {
       const bool ok = cp.wok[i] && kok;
       cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * kRowStep, chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
     }
@@ -80,7 +84,7 @@ __device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T
   auto load_x = [&](int stage, int kt) {
     const bool kok = kbeg + kt * BK + chunk * 8 < kend;
 #pragma unroll
-    for (int i = 0; i < ShrinkShape<W>::x_copies; ++i) {
+    for (int i = 0; i < S::x_copies; ++i) {
       const bool ok = cp.xok[i] && kok;
       cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * kRowStep, chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
     }
@@ -104,15 +108,15 @@ __device__ __forceinline__ void shrink_pipeline(TileAcc& acc, const ShrinkCopy<T
     }
     cp_async_commit();
     if (warp_live)
-      warp_mma_slab<T, kWarpMT, kWarpNT>(acc, xs + (kt % ST) * BM * BK, wt + (kt % ST) * BN * BK, 0, warp * kWarpN,
-                                         4, lane);
+      warp_mma_slab<T, MT, kWarpNT>(acc, xs + (kt % ST) * BM * BK, wt + (kt % ST) * BN * BK, 0, warp * kWarpN, 4,
+                                    lane);
   }
   cp_async_wait<0>();
 }
 
 // Writes the item's block: v (splits == 1, every column < N) or plane ks of ws (splits > 1).
-template <typename V>
-__device__ __forceinline__ void shrink_store(const TileAcc& acc, V* v, float* ws, const ShrinkArgs& p,
+template <typename V, int MT>
+__device__ __forceinline__ void shrink_store(const WarpAcc<MT, kWarpNT>& acc, V* v, float* ws, const ShrinkArgs& p,
                                              const int* rows_sm, int n0, int ks) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for_each_acc_pair(acc, 0, warp * kWarpN, lane, [&](int r, int c, float lo, float hi) {
@@ -131,50 +135,69 @@ __device__ __forceinline__ void shrink_store(const TileAcc& acc, V* v, float* ws
   });
 }
 
-template <typename T, typename V, int W, int ST>
+template <typename T, typename V, int W, int ST, int MT>
 __global__ void __launch_bounds__(32 * W)
     sgmv_shrink_mma_kernel(const T* __restrict__ x, const T* __restrict__ a, V* __restrict__ v,
                            float* __restrict__ ws, ShrinkArgs p) {
+  using S = ShrinkShape<W, MT>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* xs = reinterpret_cast<T*>(smem_raw);  // [stages][kTileM * kMmaBK]
-  T* wt = xs + ST * kTileM * kMmaBK;  // [stages][16 W * kMmaBK]
-  __shared__ int rows_sm[kTileM];
+  T* xs = reinterpret_cast<T*>(smem_raw);  // [stages][16 MT * kMmaBK]
+  T* wt = xs + ST * S::bm * kMmaBK;        // [stages][16 W * kMmaBK]
+  __shared__ int rows_sm[S::bm];
+  __shared__ TileInfo tis[MT];
   griddep_launch_dependents();
   bool waited = false;
   const int warp = threadIdx.x >> 5;
-  const int per_tile = p.n_tiles * p.splits;
-  const int total = num_tiles(p.w) * per_tile;
+  const int per_group = p.n_tiles * p.splits, tiles = num_tiles(p.w);
+  const int total = (tiles + MT - 1) / MT * per_group;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
-    const int ks = item % p.splits, n0 = (item / p.splits) % p.n_tiles * ShrinkShape<W>::bn;
-    const TileInfo ti = load_tile(p.w, item / per_tile, p.R);
-    __syncthreads();  // the previous item is done with rows_sm and the pipeline buffers
-    fill_tile_rows(rows_sm, p.w, ti);
+    const int ks = item % p.splits, n0 = (item / p.splits) % p.n_tiles * S::bn, t0 = item / per_group * MT;
+    __syncthreads();  // the previous item is done with tis, rows_sm and the pipeline buffers
+    if (threadIdx.x < MT)
+      tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(p.w, t0 + threadIdx.x, p.R) : TileInfo{-1, 0, 0, 0};
     __syncthreads();
-    TileAcc acc;
-    zero_acc(acc);
-    if (ti.slot >= 0) {
-      const int kbeg = ks * p.k_chunk, kend = min(p.K, kbeg + p.k_chunk);
-      const ShrinkCopy<T, W> cp = shrink_copy_plan<T, W>(x, a, p, ti, rows_sm, n0, kbeg);
-      const bool warp_live = n0 + warp * kWarpN < p.N;
-      shrink_pipeline<T, W, ST>(acc, cp, x, a, xs, wt, kbeg, kend, warp_live, waited);
-    } else if (p.splits > 1) {
-      continue;  // no partials: the reduction writes the zeros of rows without LoRA
+    for (int lo = 0; lo < MT;) {  // runs of tiles with one slot; block-uniform (tis is in shared memory)
+      int hi = lo + 1;
+      while (hi < MT && tis[hi].slot == tis[lo].slot) ++hi;
+      const TileInfo ti = tis[lo];
+      const int run_lo = lo;
+      lo = hi;
+      if (ti.slot < 0 && p.splits > 1) continue;  // no partials: the reduction writes the zeros of rows without LoRA
+      if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the pipeline buffers
+      if (threadIdx.x < S::bm) {
+        const int t = threadIdx.x / kTileM;
+        rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tis[t], threadIdx.x % kTileM) : -1;
+      }
+      __syncthreads();
+      WarpAcc<MT, kWarpNT> acc;
+      zero_acc(acc);
+      if (ti.slot >= 0) {
+        const int kbeg = ks * p.k_chunk, kend = min(p.K, kbeg + p.k_chunk);
+        const ShrinkCopy<T, W, MT> cp = shrink_copy_plan<T, W, MT>(x, a, p, ti, rows_sm, n0, kbeg);
+        const bool warp_live = n0 + warp * kWarpN < p.N;
+        shrink_pipeline<T, W, ST, MT>(acc, cp, x, a, xs, wt, kbeg, kend, warp_live, waited);
+      }
+      wait_once(waited);
+      shrink_store<V, MT>(acc, v, ws, p, rows_sm, n0, ks);
     }
-    wait_once(waited);
-    shrink_store<V>(acc, v, ws, p, rows_sm, n0, ks);
   }
   wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel
 }
 
-template <typename T, typename V, int W, int ST>
+template <typename T, typename V, int W, int ST, int MT = 1>
 cudaError_t launch_shrink_shape(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<sgmv_shrink_mma_kernel<T, V, W, ST>>(cfg, 32 * W, shrink_smem_bytes<W, ST>(), x, a, v, ws, p);
+  return launch_kernel<sgmv_shrink_mma_kernel<T, V, W, ST, MT>>(cfg, 32 * W, shrink_smem_bytes<W, ST, MT>(), x, a, v,
+                                                                ws, p);
 }
 
-// The CTA shapes ops/sgmv_plan.h picks (plan_shrink): 4 warps x 4 stages, 2 x 4, one warp x 8 stages.
+// The CTA shapes ops/sgmv_plan.h picks (plan_shrink): 4 warps x 4 stages, 2 x 4, one warp x 8 stages; at prefill
+// 4 warps x 4 stages over groups of 4 tiles.
 template <typename T, typename V>
 cudaError_t launch_shrink_mma(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg,
-                              int warps, int stages) {
+                              int warps, int stages, int tiles) {
+  if (tiles == 4 && warps == 4 && stages == kShrinkStages)
+    return launch_shrink_shape<T, V, 4, kShrinkStages, 4>(x, a, v, ws, p, cfg);
+  if (tiles != 1) return cudaErrorInvalidConfiguration;
   if (warps == 1 && stages == 8) return launch_shrink_shape<T, V, 1, 8>(x, a, v, ws, p, cfg);
   if (warps == 2 && stages == kShrinkStages) return launch_shrink_shape<T, V, 2, kShrinkStages>(x, a, v, ws, p, cfg);
   if (warps == 4 && stages == kShrinkStages) return launch_shrink_shape<T, V, 4, kShrinkStages>(x, a, v, ws, p, cfg);

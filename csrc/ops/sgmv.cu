@@ -209,7 +209,7 @@ void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
                                       aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0));
   const ShrinkArgs p =
       make_shrink_args(make_work(work, lora_ranks, permutation, max_tiles, x.size(0)), x, lora_a, num_slices, plan);
-  const LaunchCfg cfg = make_cfg(max_tiles * plan.n_tiles * plan.splits, plan.ctas_per_sm);
+  const LaunchCfg cfg = make_cfg(shrink_items_upper(plan, max_tiles), plan.ctas_per_sm);
   if (plan.splits == 1) {
     run_shrink(x, lora_a, v.data_ptr(), v.scalar_type(), nullptr, p, plan, cfg);
     return;
@@ -267,7 +267,7 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   at::Tensor ws = at::empty({sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
   float* wsp = ws.data_ptr<float>();
   run_shrink(x, lora_a, wsp, at::kFloat, sp.splits > 1 ? wsp : nullptr, p, sp,
-             make_cfg(max_tiles * sp.n_tiles * sp.splits, sp.ctas_per_sm, pdl_first));
+             make_cfg(shrink_items_upper(sp, max_tiles), sp.ctas_per_sm, pdl_first));
   const ExpandPlan ep = expand_plan_for(lora_b, slice_offsets, out, wsp, 4);
   if (ep.n_tiles == 0) return;
   // The register expand reads one plane (kernels/sgmv_expand_regs.cuh): the planes are summed first wherever it runs.

@@ -56,6 +56,7 @@ struct ShrinkPlan {
   int ctas_per_sm;  // persistent CTAs per SM
   int warps;        // tensor-core kernel: warps of a CTA, 16 columns of v each (its column tile: 16 * warps)
   int stages;       // tensor-core kernel: cp.async pipeline stages
+  int tiles;        // tensor-core kernel: work-list tiles of an item (16 rows each)
 };
 
 // The tensor-core shrink's CTA width (warps) and pipeline stages by the rows of x and the width N of v. Every warp
@@ -71,6 +72,10 @@ struct ShrinkPlan {
 // - prefill (from kReduceFirstRows rows): 4 warps, as measured before.
 // Deeper pipelines did not help otherwise (9 stages of 4 warps: r16 bs1 21.9, 64x1 sorted 68.3).
 constexpr int64_t kShrinkNarrowWork = 1024;
+// Prefill (from kReduceFirstRows rows): items of this many work-list tiles (64 rows), one weight slab per run of tiles
+// of one slot, so a slab serves 64 rows instead of 16. H100, layer µs at prefill 8x1024 (bench_kernels, the same
+// call): r16 963 -> 875, r64 1250 -> 1110.
+constexpr int kShrinkTallTiles = 4;
 
 // elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned; rows: rows of x.
 inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int64_t rows) {
@@ -86,14 +91,22 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
     s.stages = narrow ? 8 : kShrinkStages;
     s.n_tiles = static_cast<int>(cdiv(N, int64_t{kWarpN} * s.warps));
     s.ctas_per_sm = narrow ? 16 : 16 / s.warps;  // 40 KB of pipeline per 4-warp CTA; 32 KB per one-warp CTA
+    s.tiles = rows >= kReduceFirstRows ? kShrinkTallTiles : 1;
+    if (s.tiles > 1) s.ctas_per_sm = 3;  // 64 KB of pipeline per CTA
   } else {
     s.vec16 = (K * elem) % 16 == 0 && aligned;
     s.splits = 1;
     s.k_chunk = static_cast<int>(K);
     s.n_tiles = static_cast<int>(cdiv(N, kSimtCols));
     s.ctas_per_sm = 4;
+    s.tiles = 1;
   }
   return s;
+}
+
+// Most CTAs the shrink's grid can use for max_tiles work-list tiles: one per item.
+inline int64_t shrink_items_upper(const ShrinkPlan& s, int64_t max_tiles) {
+  return cdiv(max_tiles, s.tiles) * s.n_tiles * s.splits;
 }
 
 enum class ExpandKernel { simt, mma, stream, tall, regs };
