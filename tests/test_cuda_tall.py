@@ -106,6 +106,29 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
     assert rel_err(out_b, ref) <= TOL[dtype]
 
 
+def test_register_expand_needs_a_16_byte_aligned_v():
+    """sgmv_expand at 1100 rows on a bf16 v that starts 8 bytes past a 16-byte boundary (contiguous, 4-element
+    aligned): the tall kernel takes it (the register expand copies v in 16-byte chunks), with the register expand's
+    bits on the aligned copy of the same v."""
+    R, widths, ranks = SHAPES["qkv_r16"]
+    g = torch.Generator().manual_seed(77)
+    a, b, offs, scal, x, base, v = _problem(g, torch.bfloat16, "qkv_r16")
+    rows = 1100
+    info = _info([rows], [1], ranks, scal)
+    out0 = torch.randn(rows, offs[-1], generator=g).to(torch.bfloat16).cuda()
+    v16 = torch.randn(rows, len(widths) * R, generator=g).to(torch.bfloat16).cuda()
+    flat = torch.empty(v16.numel() + 4, dtype=torch.bfloat16, device="cuda")
+    v8 = flat[4:].view(v16.shape)
+    v8.copy_(v16)
+    assert v8.is_contiguous() and v8.data_ptr() % 16 == 8
+    e16, e8 = out0.clone(), out0.clone()
+    n16 = launched_sgmv_kernels(lambda: lk.sgmv_expand(v16, b, info, offs, e16, backend="cuda"))
+    n8 = launched_sgmv_kernels(lambda: lk.sgmv_expand(v8, b, info, offs, e8, backend="cuda"))
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
+        assert any("expand_regs" in k for k in n16) and any("expand_tall" in k for k in n8), (n16, n8)
+    assert torch.equal(e8, e16) and not torch.equal(e16, out0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_one_row_has_the_batch_bits(dtype):
     """A row alone (the 16-row kernel) and inside the 287 rows of SEGMENTS (r16: the streaming warps): torch.equal,

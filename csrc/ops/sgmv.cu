@@ -159,7 +159,7 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
   const bool aligned = aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()) &&
                        reinterpret_cast<uintptr_t>(v) % (4 * v_elem) == 0;
   return plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
-                     static_cast<int>(offs.size()) - 1, aligned, out.size(0));
+                     static_cast<int>(offs.size()) - 1, aligned, aligned16(v), out.size(0));
 }
 
 void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,

@@ -120,8 +120,9 @@ struct ExpandPlan {
   bool one_row;  // one row of out: the mma kernel loads the row's planes all at once (kernels/sgmv_expand_mma.cuh)
 };
 
-// aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements; rows: rows of out.
-inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int num_slices, bool aligned,
+// aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements; v16: v starts 16-byte aligned
+// (the register expand copies v's rows in 16-byte chunks); rows: rows of out.
+inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int num_slices, bool aligned, bool v16,
                               int64_t rows) {
   ExpandPlan e{};
   bool offsets8 = true;
@@ -135,7 +136,7 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   };
   if (!mma)
     pick_kernel(ExpandKernel::simt, kSimtExpandBN, 4);
-  else if (rows >= kTallExpandRows && R <= kRegsMaxR)
+  else if (rows >= kTallExpandRows && R <= kRegsMaxR && v16)
     pick_kernel(ExpandKernel::regs, kRegsCols, kRegsCtasPerSm);
   else if (rows >= kTallExpandRows)
     pick_kernel(ExpandKernel::tall, kExpandBN, kTallCtasPerSm);
