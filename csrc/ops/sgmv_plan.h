@@ -35,8 +35,8 @@ constexpr int64_t kReduceFirstRowsStream = 128;
 // The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
 // choice keeps batch invariance): from kTallExpandRows rows on, warps holding B in registers
 // (kernels/sgmv_expand_regs.cuh) up to R = kRegsMaxR where v is 16-byte aligned, else 64-row items
-// (kernels/sgmv_expand_tall.cuh: the 16-row kernel is issue-bound there); below, from 2 rows and up to R = kStreamMaxR, warps streaming 16-row items
-// (kernels/sgmv_expand_stream.cuh); else the 16-row kernel (kernels/sgmv_expand_mma.cuh). The header of each says
+// (kernels/sgmv_expand_tall.cuh: the 16-row kernel is issue-bound there); below, from 2 rows and up to
+// R = kStreamMaxR, warps streaming 16-row items (kernels/sgmv_expand_stream.cuh); else the 16-row kernel (kernels/sgmv_expand_mma.cuh). The header of each says
 // where it measured faster. The tall grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go
 // overlap one item's stores with the next one's loads; a persistent double-buffered form measured slower, and 256
 // CTAs 2% slower than 64). The register expand's grid is what the SMs hold at once (its launcher asks the occupancy
