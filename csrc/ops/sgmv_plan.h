@@ -36,11 +36,11 @@ constexpr int64_t kReduceFirstRowsStream = 128;
 // choice keeps batch invariance): from kTallExpandRows rows on, warps holding B in registers
 // (kernels/sgmv_expand_regs.cuh) up to R = kRegsMaxR where v is 16-byte aligned, else 64-row items
 // (kernels/sgmv_expand_tall.cuh: the 16-row kernel is issue-bound there); below, from 2 rows and up to
-// R = kStreamMaxR, warps streaming 16-row items (kernels/sgmv_expand_stream.cuh); else the 16-row kernel (kernels/sgmv_expand_mma.cuh). The header of each says
-// where it measured faster. The tall grid is one CTA per item up to kTallCtasPerSm per SM (CTAs that come and go
-// overlap one item's stores with the next one's loads; a persistent double-buffered form measured slower, and 256
-// CTAs 2% slower than 64). The register expand's grid is what the SMs hold at once (its launcher asks the occupancy
-// API; kRegsCtasPerSm bounds it).
+// R = kStreamMaxR, warps streaming 16-row items (kernels/sgmv_expand_stream.cuh); else the 16-row kernel
+// (kernels/sgmv_expand_mma.cuh). The header of each says where it measured faster. The tall grid is one CTA per item
+// up to kTallCtasPerSm per SM (CTAs that come and go overlap one item's stores with the next one's loads; a
+// persistent double-buffered form measured slower, and 256 CTAs 2% slower than 64). The register expand's grid is
+// what the SMs hold at once (its launcher asks the occupancy API; kRegsCtasPerSm bounds it).
 constexpr int64_t kTallExpandRows = 1024;
 constexpr int kTallCtasPerSm = 64;
 constexpr int kRegsCtasPerSm = 8;
