@@ -274,19 +274,23 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   const int64_t reduce_rows = ep.kernel == ExpandKernel::regs     ? 0
                               : ep.kernel == ExpandKernel::stream ? kReduceFirstRowsStream
                                                                   : kReduceFirstRows;
+  const void* v = wsp;  // the planes, or their sum
+  at::ScalarType v_dtype = at::kFloat;
+  int planes = sp.splits;
+  at::Tensor v_sum;
   if (sp.splits > 1 && x.size(0) >= reduce_rows) {
     // Many rows: sum the planes once instead of in every column tile of the expand (same order, same bits). For
     // the tensor-core expands the sum is rounded to x's dtype, as each rounds v for its MMAs: the same bits, half
     // the bytes to read. The CUDA-core expand takes v in fp32.
-    const at::Tensor v_sum = at::empty({x.size(0), lora_a.size(1)},
-                                       ep.kernel == ExpandKernel::simt ? x.options().dtype(at::kFloat) : x.options());
+    v_sum = at::empty({x.size(0), lora_a.size(1)},
+                      ep.kernel == ExpandKernel::simt ? x.options().dtype(at::kFloat) : x.options());
     run_split_reduce(wsp, v_sum.data_ptr(), v_sum.scalar_type(), p, make_cfg(max_tiles, 4));
-    const ExpandArgs e = make_expand_args(w, lora_b, scalings, slice_offsets, out, ep, 1);
-    expand_launch(v_sum.data_ptr(), v_sum.scalar_type(), lora_b, out, e, ep, max_tiles);
-    return;
+    v = v_sum.data_ptr();
+    v_dtype = v_sum.scalar_type();
+    planes = 1;
   }
-  const ExpandArgs e = make_expand_args(w, lora_b, scalings, slice_offsets, out, ep, sp.splits);
-  expand_launch(wsp, at::kFloat, lora_b, out, e, ep, max_tiles);
+  const ExpandArgs e = make_expand_args(w, lora_b, scalings, slice_offsets, out, ep, planes);
+  expand_launch(v, v_dtype, lora_b, out, e, ep, max_tiles);
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 // the MMA chains) comes from shapes only: dtype size, in_dim, the S*R width of v, the pool rank R, the slice
 // offsets, and whether the operands' pointers and rows are 16-byte aligned (else the CUDA-core path); never from
 // segments or the work list, so a row's bits do not depend on its batch (batch invariance). The rows of x pick only
-// among kernels and CTA shapes that compute the same bits (the expand's kernel, the shrink's CTA width), and batch
-// capacities size the persistent grids.
+// among kernels and CTA shapes that compute the same bits (the expand's kernel, the shrink's CTA width and item
+// height), and batch capacities size the persistent grids.
 #pragma once
 #include <algorithm>
 #include <cstdint>
