@@ -48,7 +48,7 @@ cudaError_t allow_dynamic_smem(int bytes) {
 // attribute when cfg.pdl and the kernel supports it. Returns the launch error (the caller checks it).
 template <auto Kernel, typename... Args>
 cudaError_t launch_kernel(const LaunchCfg& cfg, int threads, int smem, Args... args) {
-  if (smem > 48 * 1024) {
+  if (smem > 32 * 1024) {  // static shared memory counts against the 48 KB default too
     const cudaError_t err = allow_dynamic_smem<Kernel>(smem);
     if (err != cudaSuccess) return err;
   }

@@ -37,6 +37,20 @@ __device__ __forceinline__ void zero_acc(WarpAcc<MT, NT>& acc) {
       for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
 }
 
+// sum += acc, then acc = 0: one K split's MMA chain folded into the running sum (fp32 adds in split order).
+template <int MT, int NT>
+__device__ __forceinline__ void add_acc(WarpAcc<MT, NT>& sum, WarpAcc<MT, NT>& acc) {
+#pragma unroll
+  for (int a = 0; a < MT; ++a)
+#pragma unroll
+    for (int b = 0; b < NT; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        sum[a][b][c] += acc[a][b][c];
+        acc[a][b][c] = 0.f;
+      }
+}
+
 // f(r, c, lo, hi): the warp's accumulator pairs (r, c) and (r, c + 1) of its (16 MT) x (8 NT) block at
 // (m_off, n_off), r and c relative to the CTA tile (the m16n8 fragment layout of mma.sync).
 template <int MT, int NT, typename F>

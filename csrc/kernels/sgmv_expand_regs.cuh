@@ -7,15 +7,20 @@
 // keeps ST - 1 items' out rows and v rows in flight (cp.async into its own shared-memory stages) while it computes
 // one; no block barrier. The warp's 64 columns are laid out (regs_col) so that lane quad t's accumulators are two
 // 16-byte chunks of out, columns 32 j + 8 t .. + 7: the epilogue reads a lane's out row as two chunks and stores
-// them as such, four lanes a 64-byte run of whole sectors. v is one plane: sgmv_apply sums the split
-// planes first, into a v of T (the same sums and rounding as every expand's, half the bytes of fp32).
+// them as such, four lanes a 64-byte run of whole sectors. v is one plane: at prefill the shrink sums its splits
+// itself and writes v in T (the same sums and rounding as every expand's, half the bytes of fp32). A warp reads the
+// tiles of 32 items at once, a lane each, and takes an item's slot, rank and rows by shuffles (RegsMeta): ncu had the
+// per-item chain of dependent metadata loads as the top stall (long_scoreboard); layer µs at prefill 8x1024, H100,
+// the same call: r16 784 -> 774, r64 1040 -> 1010 (again 783 -> 773, 1050 -> 1020).
 // Why: the tall kernel runs 64 x 128 tiles through shared memory behind block barriers, loads B per item and sums
 // v's planes per column tile; ncu found it at 30-45% of DRAM bandwidth at prefill (gate_up r16 472 µs, r64 832).
 // Layer µs at prefill 8x1024 on an H100 (bench_kernels, the same call): tall 1120 / 1750 (r16 / r64) -> this 948 /
 // 1240, when lane quad t held columns 16 t .. + 15 (each store then wrote half of every sector it touched; ncu: L2 at
 // 80-86% of its peak); a first form that kept one item's out rows and v in registers (no stages) 1120 / 2190. With
 // whole sectors per store and the tall shrink (ops/sgmv_plan.h) the layer is 838 / 1090 (gate_up's expand at r16 by
-// ncu 402 -> 388 µs, L2 86% -> 69%). Reading the next item's metadata one iteration ahead was 2-5% slower. At decode
+// ncu 402 -> 388 µs, L2 86% -> 69%). Reading the next item's metadata one iteration ahead was 2-5% slower; 6 stages
+// (KS <= 2; 4 for KS = 4) r16 774 -> 790, r64 1010 -> 1020; streaming stores (st.global.cs) and runs of warps aligned
+// to column tiles (so that warps of neighbouring column tiles read the same rows at once) no change. At decode
 // (2 to 1023 rows) it lost to the stream and 16-row kernels in every case measured (a B block per item: r64 64x1
 // uniform sorted 271 against 137, r16 256x1 sorted 106 against 85).
 //
@@ -50,11 +55,28 @@ struct RegsItem {
   int slot, rank, ct, n0, n_end, vcol0;
 };
 
+// The tiles of 32 consecutive items of a warp's run, one a lane (lane i: item base + i), so that an item's metadata
+// costs a few shuffles instead of a chain of dependent loads per item (work list, rank).
+struct RegsMeta {
+  int base;
+  TileInfo ti;
+};
+
 // Item `item` (column tile item / tiles, tile item % tiles) and, in lanes 0..15, the physical row of tile row `lane`
-// (-1 where none).
-__device__ __forceinline__ RegsItem regs_item(const ExpandArgs& p, int item, int tiles, int lane, int& row) {
+// (-1 where none). Items are asked for in increasing order; m is refilled every 32.
+__device__ __forceinline__ RegsItem regs_item(const ExpandArgs& p, int item, int tiles, int lane, int& row,
+                                              RegsMeta& m) {
+  if (item < m.base || item - m.base >= 32) {  // warp-uniform
+    m.base = item;
+    m.ti = load_tile(p.w, (item + lane) % tiles, p.R);
+  }
+  const int src = item - m.base;
+  TileInfo ti;
+  ti.slot = __shfl_sync(0xffffffffu, m.ti.slot, src);
+  ti.rank = __shfl_sync(0xffffffffu, m.ti.rank, src);
+  ti.row0 = __shfl_sync(0xffffffffu, m.ti.row0, src);
+  ti.rows = __shfl_sync(0xffffffffu, m.ti.rows, src);
   const int ct = item / tiles, sl = slice_of(p, ct);
-  const TileInfo ti = load_tile(p.w, item % tiles, p.R);
   row = ti.slot >= 0 && lane < kTileM ? tile_row(p.w, ti, lane) : -1;
   return RegsItem{ti.slot, ti.rank, ct, pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kRegsCols,
                   pick(p.offsets, sl + 1), sl * p.R};
@@ -181,7 +203,7 @@ __device__ __forceinline__ void regs_compute(const RegsStage<V, KS>& st, const u
   }
 }
 
-// v: one plane (the split reduction's sum, or v itself) of T or fp32; p.splits must be 1 (ops/sgmv.cu).
+// v: one plane (the folded shrink's v, the split reduction's sum, or v itself) of T or fp32; p.splits must be 1.
 template <typename T, typename V, int KS>
 __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
     sgmv_expand_regs_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
@@ -191,13 +213,16 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   RegsStage<V, KS>* st = reinterpret_cast<RegsStage<V, KS>*>(smem_raw) + warp * ST;
   griddep_launch_dependents();
   const int warps = gridDim.x * kRegsWarps, tiles = num_tiles(p.w), total = tiles * p.n_tiles;
+  const int wid = blockIdx.x * kRegsWarps + warp;
   const int per = (total + warps - 1) / warps;
-  const int i0 = (blockIdx.x * kRegsWarps + warp) * per, i1 = min(i0 + per, total);
+  const int i0 = wid * per, i1 = min(i0 + per, total);
   uint32_t bf[KS][kRegsNT][2];
   int b_slot = -1, b_ct = -1;  // whose fragments bf holds
   int row;
+  RegsMeta meta{-64, {}};
+  const auto item_at = [&](int item) { return regs_item(p, item, tiles, lane, row, meta); };
   if (i0 < i1) {  // the first item's B before griddep_wait: no kernel writes the weights
-    const RegsItem it = regs_item(p, i0, tiles, lane, row);
+    const RegsItem it = item_at(i0);
     if (it.slot >= 0) {
       regs_load_b<T, KS>(bf, b, p, it, lane);
       b_slot = it.slot;
@@ -207,7 +232,7 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   griddep_wait();  // v and out are written by earlier kernels; every CTA waits (see sgmv_expand_mma_kernel)
   for (int s = 0; s + 1 < ST; ++s) {
     if (i0 + s < i1) {
-      const RegsItem it = regs_item(p, i0 + s, tiles, lane, row);
+      const RegsItem it = item_at(i0 + s);
       regs_issue<T, V, KS>(st[s], v, out, p, it, row, lane);
     }
     cp_async_commit();
@@ -215,7 +240,7 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   for (int k = 0; i0 + k < i1; ++k) {
     const int next = i0 + k + ST - 1;
     if (next < i1) {
-      const RegsItem it = regs_item(p, next, tiles, lane, row);
+      const RegsItem it = item_at(next);
       regs_issue<T, V, KS>(st[(k + ST - 1) % ST], v, out, p, it, row, lane);
     }
     cp_async_commit();

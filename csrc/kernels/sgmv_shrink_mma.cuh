@@ -3,10 +3,13 @@
 // Item (group of MT work-list tiles, column tile nt, K split ks) of a persistent grid: a 16 MT x 16 W block of the
 // group's rows and columns over the split's K range, through an ST-stage cp.async pipeline, once per run of tiles
 // with one slot (the other rows masked); W warps side by side, each all 16 MT rows x 16 columns, its MMA chain over
-// the split's k16 steps in order whatever W, ST and MT (ops/sgmv_plan.h picks them by the batch: the bits stay). MT = 4
-// at prefill: one weight slab serves 64 rows instead of 16 (a prefill segment is many tiles of one slot). splits == 1:
+// the split's k16 steps in order whatever W, ST and MT (ops/sgmv_plan.h picks them by the batch: the bits stay). MT = 2
+// at prefill: one weight slab serves 32 rows instead of 16 (a prefill segment is many tiles of one slot). splits == 1:
 // the item writes v. splits > 1: it writes its fp32 partial sums to plane ks of ws, and a later kernel sums the planes
-// in plane order (the batch-invariant reduction: the split count comes from the shapes alone, see ops/sgmv_plan.h).
+// in plane order (the batch-invariant reduction: the split count comes from the shapes alone, see ops/sgmv_plan.h);
+// or, FOLD (prefill), one item runs every split of its block in turn through one pipeline over the whole K axis, adds
+// each split's chain to a running sum in split order (the reduction's sums, bit for bit) and writes v: no planes, no
+// reduction kernel, and enough items to fill the GPU at prefill.
 // Raw pointers only; no torch headers.
 #pragma once
 #include <cstdint>
@@ -64,10 +67,13 @@ __device__ __forceinline__ ShrinkCopy<T, W, MT> shrink_copy_plan(const T* x, con
 
 // acc = the warp's block of x_tile * w_tile^T over K range [kbeg, kend). The weight slabs of the first
 // stages are requested before griddep_wait (no kernel writes weights); x only after it.
-template <typename T, int W, int ST, int MT>
-__device__ __forceinline__ void shrink_pipeline(WarpAcc<MT, kWarpNT>& acc, const ShrinkCopy<T, W, MT>& cp, const T* x,
-                                                const T* a, T* xs, T* wt, int kbeg, int kend, bool warp_live,
-                                                bool& waited) {
+// FOLD: [kbeg, kend) is the whole K axis; after the last slab of each split (fold_slabs slabs) acc is added to sum
+// and zeroed, so sum = ((0 + split 0) + split 1) + ..., the split reduction's order, and each split's MMA chain starts
+// from zeros as in its own item.
+template <typename T, int W, int ST, int MT, bool FOLD>
+__device__ __forceinline__ void shrink_pipeline(WarpAcc<MT, kWarpNT>& acc, WarpAcc<MT, kWarpNT>& sum,
+                                                const ShrinkCopy<T, W, MT>& cp, const T* x, const T* a, T* xs, T* wt,
+                                                int kbeg, int kend, int fold_slabs, bool warp_live, bool& waited) {
   using S = ShrinkShape<W, MT>;
   constexpr int BK = kMmaBK, BM = S::bm, BN = S::bn;
   const int KT = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
@@ -107,23 +113,25 @@ __device__ __forceinline__ void shrink_pipeline(WarpAcc<MT, kWarpNT>& acc, const
       load_x(nk % ST, nk);
     }
     cp_async_commit();
-    if (warp_live)
+    if (warp_live) {
       warp_mma_slab<T, MT, kWarpNT>(acc, xs + (kt % ST) * BM * BK, wt + (kt % ST) * BN * BK, 0, warp * kWarpN, 4,
                                     lane);
+      if (FOLD && ((kt + 1) % fold_slabs == 0 || kt + 1 == KT)) add_acc(sum, acc);
+    }
   }
   cp_async_wait<0>();
 }
 
-// Writes the item's block: v (splits == 1, every column < N) or plane ks of ws (splits > 1).
+// Writes the item's block: v (to_planes false, every column < N) or plane ks of ws.
 template <typename V, int MT>
 __device__ __forceinline__ void shrink_store(const WarpAcc<MT, kWarpNT>& acc, V* v, float* ws, const ShrinkArgs& p,
-                                             const int* rows_sm, int n0, int ks) {
+                                             const int* rows_sm, int n0, int ks, bool to_planes) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for_each_acc_pair(acc, 0, warp * kWarpN, lane, [&](int r, int c, float lo, float hi) {
     const int64_t row = rows_sm[r];
     const int col = n0 + c;
     if (row < 0 || col >= p.N) return;
-    if (p.splits == 1) {
+    if (!to_planes) {
       V* dst = v + row * p.N + col;
       dst[0] = from_float<V>(lo);
       if (col + 1 < p.N) dst[1] = from_float<V>(hi);
@@ -135,7 +143,7 @@ __device__ __forceinline__ void shrink_store(const WarpAcc<MT, kWarpNT>& acc, V*
   });
 }
 
-template <typename T, typename V, int W, int ST, int MT>
+template <typename T, typename V, int W, int ST, int MT, bool FOLD>
 __global__ void __launch_bounds__(32 * W)
     sgmv_shrink_mma_kernel(const T* __restrict__ x, const T* __restrict__ a, V* __restrict__ v,
                            float* __restrict__ ws, ShrinkArgs p) {
@@ -148,56 +156,70 @@ __global__ void __launch_bounds__(32 * W)
   griddep_launch_dependents();
   bool waited = false;
   const int warp = threadIdx.x >> 5;
-  const int per_group = p.n_tiles * p.splits, tiles = num_tiles(p.w);
+  const int splits = FOLD ? 1 : p.splits;  // items per (group, column tile)
+  const bool to_planes = !FOLD && p.splits > 1;
+  const int per_group = p.n_tiles * splits, tiles = num_tiles(p.w);
   const int total = (tiles + MT - 1) / MT * per_group;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
-    const int ks = item % p.splits, n0 = (item / p.splits) % p.n_tiles * S::bn, t0 = item / per_group * MT;
+    const int ks = item % splits, n0 = (item / splits) % p.n_tiles * S::bn, t0 = item / per_group * MT;
     __syncthreads();  // the previous item is done with tis, rows_sm and the pipeline buffers
-    if (threadIdx.x < MT)
-      tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(p.w, t0 + threadIdx.x, p.R) : TileInfo{-1, 0, 0, 0};
-    __syncthreads();
+    TileInfo ti0{};   // MT == 1: every thread reads the one tile itself (no shared copy, no barrier for it)
+    if constexpr (MT == 1) {
+      ti0 = load_tile(p.w, t0, p.R);
+    } else {
+      if (threadIdx.x < MT)
+        tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(p.w, t0 + threadIdx.x, p.R) : TileInfo{-1, 0, 0, 0};
+      __syncthreads();
+    }
+    const auto tile_at = [&](int t) {
+      if constexpr (MT == 1) return ti0;
+      else return tis[t];
+    };
     for (int lo = 0; lo < MT;) {  // runs of tiles with one slot; block-uniform (tis is in shared memory)
       int hi = lo + 1;
-      while (hi < MT && tis[hi].slot == tis[lo].slot) ++hi;
-      const TileInfo ti = tis[lo];
+      while (hi < MT && tile_at(hi).slot == tile_at(lo).slot) ++hi;
+      const TileInfo ti = tile_at(lo);
       const int run_lo = lo;
       lo = hi;
-      if (ti.slot < 0 && p.splits > 1) continue;  // no partials: the reduction writes the zeros of rows without LoRA
+      if (ti.slot < 0 && to_planes) continue;  // no partials: the reduction writes the zeros of rows without LoRA
       if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the pipeline buffers
       if (threadIdx.x < S::bm) {
         const int t = threadIdx.x / kTileM;
-        rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tis[t], threadIdx.x % kTileM) : -1;
+        rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tile_at(t), threadIdx.x % kTileM) : -1;
       }
       __syncthreads();
-      WarpAcc<MT, kWarpNT> acc;
+      WarpAcc<MT, kWarpNT> acc, sum;
       zero_acc(acc);
+      zero_acc(sum);
       if (ti.slot >= 0) {
-        const int kbeg = ks * p.k_chunk, kend = min(p.K, kbeg + p.k_chunk);
+        const int kbeg = FOLD ? 0 : ks * p.k_chunk, kend = FOLD ? p.K : min(p.K, kbeg + p.k_chunk);
         const ShrinkCopy<T, W, MT> cp = shrink_copy_plan<T, W, MT>(x, a, p, ti, rows_sm, n0, kbeg);
         const bool warp_live = n0 + warp * kWarpN < p.N;
-        shrink_pipeline<T, W, ST, MT>(acc, cp, x, a, xs, wt, kbeg, kend, warp_live, waited);
+        shrink_pipeline<T, W, ST, MT, FOLD>(acc, sum, cp, x, a, xs, wt, kbeg, kend, p.k_chunk / kMmaBK, warp_live,
+                                            waited);
       }
       wait_once(waited);
-      shrink_store<V, MT>(acc, v, ws, p, rows_sm, n0, ks);
+      shrink_store<V, MT>(FOLD ? sum : acc, v, ws, p, rows_sm, n0, ks, to_planes);
     }
   }
   wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel
 }
 
-template <typename T, typename V, int W, int ST, int MT = 1>
+template <typename T, typename V, int W, int ST, int MT = 1, bool FOLD = false>
 cudaError_t launch_shrink_shape(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg) {
-  return launch_kernel<sgmv_shrink_mma_kernel<T, V, W, ST, MT>>(cfg, 32 * W, shrink_smem_bytes<W, ST, MT>(), x, a, v,
-                                                                ws, p);
+  return launch_kernel<sgmv_shrink_mma_kernel<T, V, W, ST, MT, FOLD>>(cfg, 32 * W, shrink_smem_bytes<W, ST, MT>(), x,
+                                                                      a, v, ws, p);
 }
 
 // The CTA shapes ops/sgmv_plan.h picks (plan_shrink): 4 warps x 4 stages, 2 x 4, one warp x 8 stages; at prefill
-// 4 warps x 4 stages over groups of 4 tiles.
+// 4 warps x 8 stages over groups of 2 tiles, the splits folded in the item wherever there are several.
 template <typename T, typename V>
 cudaError_t launch_shrink_mma(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p, const LaunchCfg& cfg,
-                              int warps, int stages, int tiles) {
-  if (tiles == 4 && warps == 4 && stages == kShrinkStages)
-    return launch_shrink_shape<T, V, 4, kShrinkStages, 4>(x, a, v, ws, p, cfg);
-  if (tiles != 1) return cudaErrorInvalidConfiguration;
+                              int warps, int stages, int tiles, bool fold) {
+  if (tiles == 2 && warps == 4 && stages == 8)
+    return fold ? launch_shrink_shape<T, V, 4, 8, 2, true>(x, a, v, ws, p, cfg)
+                : launch_shrink_shape<T, V, 4, 8, 2, false>(x, a, v, ws, p, cfg);
+  if (tiles != 1 || fold) return cudaErrorInvalidConfiguration;
   if (warps == 1 && stages == 8) return launch_shrink_shape<T, V, 1, 8>(x, a, v, ws, p, cfg);
   if (warps == 2 && stages == kShrinkStages) return launch_shrink_shape<T, V, 2, kShrinkStages>(x, a, v, ws, p, cfg);
   if (warps == 4 && stages == kShrinkStages) return launch_shrink_shape<T, V, 4, kShrinkStages>(x, a, v, ws, p, cfg);

@@ -210,7 +210,7 @@ void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
   const ShrinkArgs p =
       make_shrink_args(make_work(work, lora_ranks, permutation, max_tiles, x.size(0)), x, lora_a, num_slices, plan);
   const LaunchCfg cfg = make_cfg(shrink_items_upper(plan, max_tiles), plan.ctas_per_sm);
-  if (plan.splits == 1) {
+  if (plan.splits == 1 || plan.fold) {  // straight into v (fold: each item sums its splits in order)
     run_shrink(x, lora_a, v.data_ptr(), v.scalar_type(), nullptr, p, plan, cfg);
     return;
   }
@@ -264,24 +264,29 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
     return;
   // fp32 v, or the shrink's split-K planes, which the expand sums in plane order: the same bits as
   // sgmv_shrink (planes reduced in the same order) followed by sgmv_expand on an fp32 v.
-  at::Tensor ws = at::empty({sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
+  at::Tensor ws = at::empty({sp.fold ? 1 : sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
   float* wsp = ws.data_ptr<float>();
-  run_shrink(x, lora_a, wsp, at::kFloat, sp.splits > 1 ? wsp : nullptr, p, sp,
-             make_cfg(shrink_items_upper(sp, max_tiles), sp.ctas_per_sm, pdl_first));
   const ExpandPlan ep = expand_plan_for(lora_b, slice_offsets, out, wsp, 4);
   if (ep.n_tiles == 0) return;
-  // The register expand reads one plane (kernels/sgmv_expand_regs.cuh): the planes are summed first wherever it runs.
-  const int64_t reduce_rows = ep.kernel == ExpandKernel::regs     ? 0
-                              : ep.kernel == ExpandKernel::stream ? kReduceFirstRowsStream
-                                                                  : kReduceFirstRows;
   const void* v = wsp;  // the planes, or their sum
   at::ScalarType v_dtype = at::kFloat;
   int planes = sp.splits;
+  if (sp.fold) {
+    // The shrink sums its splits in order itself. For the tensor-core expands v is rounded to x's dtype, as each
+    // rounds v for its MMAs: the same bits, half the bytes to read. The CUDA-core expand takes v in fp32.
+    v_dtype = ep.kernel == ExpandKernel::simt ? at::kFloat : x.scalar_type();
+    planes = 1;
+  }
+  run_shrink(x, lora_a, wsp, v_dtype, planes > 1 ? wsp : nullptr, p, sp,
+             make_cfg(shrink_items_upper(sp, max_tiles), sp.ctas_per_sm, pdl_first));
+  // The register expand reads one plane (kernels/sgmv_expand_regs.cuh): the planes are summed first wherever it runs.
+  const int64_t reduce_rows = ep.kernel == ExpandKernel::regs     ? 0
+                              : ep.kernel == ExpandKernel::stream ? kReduceFirstRowsStream
+                                                                  : kPrefillRows;
   at::Tensor v_sum;
-  if (sp.splits > 1 && x.size(0) >= reduce_rows) {
-    // Many rows: sum the planes once instead of in every column tile of the expand (same order, same bits). For
-    // the tensor-core expands the sum is rounded to x's dtype, as each rounds v for its MMAs: the same bits, half
-    // the bytes to read. The CUDA-core expand takes v in fp32.
+  if (planes > 1 && x.size(0) >= reduce_rows) {
+    // Many rows: sum the planes once instead of in every column tile of the expand (same order, same bits), rounded
+    // as above.
     v_sum = at::empty({x.size(0), lora_a.size(1)},
                       ep.kernel == ExpandKernel::simt ? x.options().dtype(at::kFloat) : x.options());
     run_split_reduce(wsp, v_sum.data_ptr(), v_sum.scalar_type(), p, make_cfg(max_tiles, 4));

@@ -25,10 +25,12 @@ constexpr int64_t kSplitMinK = 256;  // tensor-core shrink: at least this many K
 // need more splits to keep enough bytes in flight; at prefill the planes cost splits * N * 8 bytes of
 // traffic per row (written, then read once), which stays small while N is.
 inline int64_t max_splits(int64_t N) { return N <= 16 ? 32 : (N <= 32 ? 16 : 8); }
-// sgmv_apply sums the split-K planes in a kernel of its own (instead of in every column tile of the
-// expand) from this many rows of x on. The same sums in the same order either way: no bit changes.
-constexpr int64_t kReduceFirstRows = 1024;
-// ... and from this many rows where the expand is the streaming warps' (kernels/sgmv_expand_stream.cuh), which read a
+// Prefill, from this many rows of x on: the shrink's items sum their own splits in order and write v (ShrinkPlan.fold),
+// so no planes are written, re-read and summed by a kernel of their own. The same sums in the same order: no bit
+// changes.
+constexpr int64_t kPrefillRows = 1024;
+// Below it, sgmv_apply sums the split-K planes in a kernel of their own (instead of in every column tile of the
+// expand) from this many rows where the expand is the streaming warps' (kernels/sgmv_expand_stream.cuh), which read a
 // single plane without summing. H100, layer µs, sorted: r16 256x1 uniform 86.5 -> 84.0, 256x1 identical 64.2 -> 57.8;
 // 64x1 uniform measured 54.6 -> 57.1 from 32 rows. Not for the 16-row kernel: r64 256x1 uniform 187 -> 190.
 constexpr int64_t kReduceFirstRowsStream = 128;
@@ -57,6 +59,7 @@ struct ShrinkPlan {
   int warps;        // tensor-core kernel: warps of a CTA, 16 columns of v each (its column tile: 16 * warps)
   int stages;       // tensor-core kernel: cp.async pipeline stages
   int tiles;        // tensor-core kernel: work-list tiles of an item (16 rows each)
+  bool fold;        // tensor-core kernel: an item runs every split in turn and writes v (no planes)
 };
 
 // The tensor-core shrink's CTA width (warps) and pipeline stages by the rows of x and the width N of v. Every warp
@@ -67,15 +70,19 @@ struct ShrinkPlan {
 //   r16 16x1 uniform 39.4 -> 36.5, r16 bs1 21.7 -> 21.9 (noise); not at 64 rows (r16 64x1 sorted 60.0, where o and
 //   down, N = 16, are within the bound);
 // - other batches up to 16 rows: 4 warps (r64 16x1: 77.0 against 78.5 with 2 warps, 80.5 with one x 8 stages);
-// - 17 rows up to kReduceFirstRows: 2 warps: r16 64x1 uniform 57.6 -> 54.4, 256x1 90.1 -> 87.3; r64 64x1 136 -> 136,
+// - 17 rows up to kPrefillRows: 2 warps: r16 64x1 uniform 57.6 -> 54.4, 256x1 90.1 -> 87.3; r64 64x1 136 -> 136,
 //   256x1 188 -> 186 (one warp: as fast sorted, but r64 unsorted 260 against 232 at 64x1);
-// - prefill (from kReduceFirstRows rows): 4 warps, as measured before.
+// - prefill (from kPrefillRows rows): 4 warps, as measured before.
 // Deeper pipelines did not help otherwise (9 stages of 4 warps: r16 bs1 21.9, 64x1 sorted 68.3).
 constexpr int64_t kShrinkNarrowWork = 1024;
-// Prefill (from kReduceFirstRows rows): items of this many work-list tiles (64 rows), one weight slab per run of tiles
-// of one slot, so a slab serves 64 rows instead of 16. H100, layer µs at prefill 8x1024 (bench_kernels, the same
-// call): r16 963 -> 875, r64 1250 -> 1110.
-constexpr int kShrinkTallTiles = 4;
+// Prefill (from kPrefillRows rows): items of this many work-list tiles (32 rows), one weight slab per run of tiles of
+// one slot, through kShrinkPrefillStages stages, each item running all its splits in turn (ShrinkPlan.fold). H100,
+// layer µs at prefill 8x1024 (bench_kernels, the same call): 16-row items with planes and a reduction kernel r16 963,
+// r64 1250; 64-row items 875 / 1110 (840 / 1090 in a later call); folded, 64 rows x 4 stages 866 / 1050, 64 x 8
+// stages 860 / 1130, 32 x 4 796 / 1020, **32 x 8 777 / 1010** (again: 784 against 845 with planes, 1010 against
+// 1090); 32 x 6 793 / 1060; 16 x 8 922 / 1240. 8-warp CTAs (128 columns of v) where N > 64: no gain (r64 1030-1080).
+constexpr int kShrinkPrefillTiles = 2;
+constexpr int kShrinkPrefillStages = 8;
 
 // elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned; rows: rows of x.
 inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int64_t rows) {
@@ -86,13 +93,14 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
     const int64_t chunk = std::max<int64_t>(cdiv(cdiv(K, splits), kMmaBK) * kMmaBK, kMmaBK);
     s.k_chunk = static_cast<int>(chunk);
     s.splits = static_cast<int>(std::max<int64_t>(1, cdiv(K, chunk)));
-    const bool narrow = rows <= kTileM && rows * N <= kShrinkNarrowWork;
-    s.warps = narrow ? 1 : (rows <= kTileM || rows >= kReduceFirstRows ? 4 : 2);
-    s.stages = narrow ? 8 : kShrinkStages;
+    const bool narrow = rows <= kTileM && rows * N <= kShrinkNarrowWork, prefill = rows >= kPrefillRows;
+    s.warps = narrow ? 1 : (rows <= kTileM || prefill ? 4 : 2);
+    s.stages = narrow ? 8 : (prefill ? kShrinkPrefillStages : kShrinkStages);
     s.n_tiles = static_cast<int>(cdiv(N, int64_t{kWarpN} * s.warps));
     s.ctas_per_sm = narrow ? 16 : 16 / s.warps;  // 40 KB of pipeline per 4-warp CTA; 32 KB per one-warp CTA
-    s.tiles = rows >= kReduceFirstRows ? kShrinkTallTiles : 1;
-    if (s.tiles > 1) s.ctas_per_sm = 3;  // 64 KB of pipeline per CTA
+    s.tiles = prefill ? kShrinkPrefillTiles : 1;
+    s.fold = prefill && s.splits > 1;
+    if (prefill) s.ctas_per_sm = 2;  // 96 KB of pipeline per CTA
   } else {
     s.vec16 = (K * elem) % 16 == 0 && aligned;
     s.splits = 1;
@@ -106,7 +114,7 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
 
 // Most CTAs the shrink's grid can use for max_tiles work-list tiles: one per item.
 inline int64_t shrink_items_upper(const ShrinkPlan& s, int64_t max_tiles) {
-  return cdiv(max_tiles, s.tiles) * s.n_tiles * s.splits;
+  return cdiv(max_tiles, s.tiles) * s.n_tiles * (s.fold ? 1 : s.splits);
 }
 
 enum class ExpandKernel { simt, mma, stream, tall, regs };

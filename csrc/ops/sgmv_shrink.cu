@@ -16,7 +16,8 @@ void run_shrink(const at::Tensor& x, const at::Tensor& lora_a, void* v, at::Scal
     auto* vp = static_cast<V*>(v);
     if constexpr (sizeof(T) == 2) {
       if (plan.mma) {
-        C10_CUDA_CHECK((launch_shrink_mma<T, V>(xp, ap, vp, ws, p, cfg, plan.warps, plan.stages, plan.tiles)));
+        C10_CUDA_CHECK((launch_shrink_mma<T, V>(xp, ap, vp, ws, p, cfg, plan.warps, plan.stages, plan.tiles,
+                                                   plan.fold)));
         return;
       }
     }
