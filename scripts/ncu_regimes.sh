@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute over one layer (qkv, o, gate_up, down) per regime and backend: each kernel's duration, DRAM and
-# SM throughput, DRAM bytes read and written, occupancy, registers and top warp stalls, as markdown tables (bench/profile/ncu_summary.py).
+# SM throughput, DRAM bytes read and written, occupancy, registers and top warp stalls, as markdown tables
+# (bench/profile/ncu_summary.py).
 # The evidence issues 19 and 21 ask for: the worst kernel of each regime and what limits it.
 #
 #   scripts/ncu_regimes.sh [BACKENDS] [CASES]
