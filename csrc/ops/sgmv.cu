@@ -279,16 +279,13 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   }
   run_shrink(x, lora_a, wsp, v_dtype, planes > 1 ? wsp : nullptr, p, sp,
              make_cfg(shrink_items_upper(sp, max_tiles), sp.ctas_per_sm, pdl_first));
-  // The register expand reads one plane (kernels/sgmv_expand_regs.cuh): the planes are summed first wherever it runs.
-  const int64_t reduce_rows = ep.kernel == ExpandKernel::regs     ? 0
-                              : ep.kernel == ExpandKernel::stream ? kReduceFirstRowsStream
-                                                                  : kPrefillRows;
+  // Planes are left only below kPrefillRows rows: the shrink folds its splits from there on, where the register and
+  // tall expands run (sgmv_plan.h asserts it). The streaming warps read one plane: from kReduceFirstRowsStream rows
+  // the planes are summed once first (same order, same bits), rounded as above; the other expands sum them in every
+  // column tile.
   at::Tensor v_sum;
-  if (planes > 1 && x.size(0) >= reduce_rows) {
-    // Many rows: sum the planes once instead of in every column tile of the expand (same order, same bits), rounded
-    // as above.
-    v_sum = at::empty({x.size(0), lora_a.size(1)},
-                      ep.kernel == ExpandKernel::simt ? x.options().dtype(at::kFloat) : x.options());
+  if (planes > 1 && ep.kernel == ExpandKernel::stream && x.size(0) >= kReduceFirstRowsStream) {
+    v_sum = at::empty({x.size(0), lora_a.size(1)}, x.options());
     run_split_reduce(wsp, v_sum.data_ptr(), v_sum.scalar_type(), p, make_cfg(max_tiles, 4));
     v = v_sum.data_ptr();
     v_dtype = v_sum.scalar_type();

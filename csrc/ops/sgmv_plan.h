@@ -44,6 +44,7 @@ constexpr int64_t kReduceFirstRowsStream = 128;
 // persistent double-buffered form measured slower, and 256 CTAs 2% slower than 64). The register expand's grid is
 // what the SMs hold at once (its launcher asks the occupancy API; kRegsCtasPerSm bounds it).
 constexpr int64_t kTallExpandRows = 1024;
+static_assert(kTallExpandRows >= kPrefillRows, "the register expand reads one plane: the shrink folds where it runs");
 constexpr int kTallCtasPerSm = 64;
 constexpr int kRegsCtasPerSm = 8;
 
