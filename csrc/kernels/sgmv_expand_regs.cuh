@@ -20,7 +20,9 @@
 // whole sectors per store and the tall shrink (ops/sgmv_plan.h) the layer is 838 / 1090 (gate_up's expand at r16 by
 // ncu 402 -> 388 µs, L2 86% -> 69%). Reading the next item's metadata one iteration ahead was 2-5% slower; 6 stages
 // (KS <= 2; 4 for KS = 4) r16 774 -> 790, r64 1010 -> 1020; streaming stores (st.global.cs) and runs of warps aligned
-// to column tiles (so that warps of neighbouring column tiles read the same rows at once) no change. At decode
+// to column tiles (so that warps of neighbouring column tiles read the same rows at once) no change; items ordered two
+// column tiles at a time (a warp's consecutive items cover 256 contiguous bytes of each row, two sets of B fragments,
+// 117 registers) r16 765 -> 793, r64 974 -> 973. At decode
 // (2 to 1023 rows) it lost to the stream and 16-row kernels in every case measured (a B block per item: r64 64x1
 // uniform sorted 271 against 137, r16 256x1 sorted 106 against 85).
 //
@@ -94,10 +96,14 @@ struct alignas(16) RegsStage {
   int rows[kTileM];
 };
 
+// KS = 4 (R > 32): 2 stages at 4 CTAs an SM (128 registers a thread) rather than 3 stages at 3 CTAs (170): layer µs
+// at prefill 8x1024, r64, H100, the same call: 1010 -> 971 (3 stages at 4 CTAs, 24 bytes of spills: 972). For KS <= 2
+// nothing gained from more CTAs: r16 3 stages at 6 CTAs (80 registers) 766 -> 767, 2 stages at 8 CTAs (64) 867, 3 at
+// 5 (96) 776.
 template <int KS>
-constexpr int regs_stages() { return KS <= 2 ? 4 : 3; }
+constexpr int regs_stages() { return KS <= 2 ? 4 : 2; }
 template <int KS>
-constexpr int regs_min_ctas() { return KS <= 2 ? 4 : 3; }  // register budgets: 128, 170 a thread
+constexpr int regs_min_ctas() { return 4; }  // register budget: 128 a thread
 template <typename V, int KS>
 constexpr int regs_smem_bytes() { return kRegsWarps * regs_stages<KS>() * static_cast<int>(sizeof(RegsStage<V, KS>)); }
 

@@ -143,6 +143,27 @@ __device__ __forceinline__ void shrink_store(const WarpAcc<MT, kWarpNT>& acc, V*
   });
 }
 
+// One block (a run of the item's tiles with one slot, rows_sm filled): its pipeline over the split's K range (FOLD:
+// every split in turn) and its store.
+template <typename T, typename V, int W, int ST, int MT, bool FOLD>
+__device__ __forceinline__ void shrink_block(const T* x, const T* a, V* v, float* ws, const ShrinkArgs& p,
+                                             const TileInfo& ti, const int* rows_sm, T* xs, T* wt, int n0, int ks,
+                                             bool to_planes, bool& waited) {
+  WarpAcc<MT, kWarpNT> acc, sum;
+  zero_acc(acc);
+  if constexpr (FOLD) zero_acc(sum);
+  if (ti.slot >= 0) {
+    const int kbeg = FOLD ? 0 : ks * p.k_chunk, kend = FOLD ? p.K : min(p.K, kbeg + p.k_chunk);
+    const ShrinkCopy<T, W, MT> cp = shrink_copy_plan<T, W, MT>(x, a, p, ti, rows_sm, n0, kbeg);
+    const bool warp_live = n0 + (threadIdx.x >> 5) * kWarpN < p.N;
+    shrink_pipeline<T, W, ST, MT, FOLD>(acc, sum, cp, x, a, xs, wt, kbeg, kend, p.k_chunk / kMmaBK, warp_live,
+                                        waited);
+  }
+  wait_once(waited);
+  if constexpr (FOLD) shrink_store<V, MT>(sum, v, ws, p, rows_sm, n0, ks, false);
+  else shrink_store<V, MT>(acc, v, ws, p, rows_sm, n0, ks, to_planes);
+}
+
 template <typename T, typename V, int W, int ST, int MT, bool FOLD>
 __global__ void __launch_bounds__(32 * W)
     sgmv_shrink_mma_kernel(const T* __restrict__ x, const T* __restrict__ a, V* __restrict__ v,
@@ -152,54 +173,45 @@ __global__ void __launch_bounds__(32 * W)
   T* xs = reinterpret_cast<T*>(smem_raw);  // [stages][16 MT * kMmaBK]
   T* wt = xs + ST * S::bm * kMmaBK;        // [stages][16 W * kMmaBK]
   __shared__ int rows_sm[S::bm];
-  __shared__ TileInfo tis[MT];
   griddep_launch_dependents();
   bool waited = false;
-  const int warp = threadIdx.x >> 5;
   const int splits = FOLD ? 1 : p.splits;  // items per (group, column tile)
   const bool to_planes = !FOLD && p.splits > 1;
   const int per_group = p.n_tiles * splits, tiles = num_tiles(p.w);
   const int total = (tiles + MT - 1) / MT * per_group;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int ks = item % splits, n0 = (item / splits) % p.n_tiles * S::bn, t0 = item / per_group * MT;
-    __syncthreads();  // the previous item is done with tis, rows_sm and the pipeline buffers
-    TileInfo ti0{};   // MT == 1: every thread reads the one tile itself (no shared copy, no barrier for it)
     if constexpr (MT == 1) {
-      ti0 = load_tile(p.w, t0, p.R);
+      // Decode: the tile's loads go out before the barrier, and no run loop: with a warp or two per CTA and one item
+      // each, the instructions before the first weight request are the kernel's latency. The run loop's form of this
+      // path (7e289cc) cost r64 bs1 26.1 -> 28.5 us a layer, r16 19.6 -> 20.6 (H100, bench_kernels, one call).
+      const TileInfo ti = load_tile(p.w, t0, p.R);
+      __syncthreads();  // the previous item is done with rows_sm and the pipeline buffers
+      fill_tile_rows(rows_sm, p.w, ti);
+      __syncthreads();
+      if (ti.slot < 0 && to_planes) continue;  // no partials: the reduction writes the zeros of rows without LoRA
+      shrink_block<T, V, W, ST, MT, FOLD>(x, a, v, ws, p, ti, rows_sm, xs, wt, n0, ks, to_planes, waited);
     } else {
+      __shared__ TileInfo tis[MT];
+      __syncthreads();  // the previous item is done with tis, rows_sm and the pipeline buffers
       if (threadIdx.x < MT)
         tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(p.w, t0 + threadIdx.x, p.R) : TileInfo{-1, 0, 0, 0};
       __syncthreads();
-    }
-    const auto tile_at = [&](int t) {
-      if constexpr (MT == 1) return ti0;
-      else return tis[t];
-    };
-    for (int lo = 0; lo < MT;) {  // runs of tiles with one slot; block-uniform (tis is in shared memory)
-      int hi = lo + 1;
-      while (hi < MT && tile_at(hi).slot == tile_at(lo).slot) ++hi;
-      const TileInfo ti = tile_at(lo);
-      const int run_lo = lo;
-      lo = hi;
-      if (ti.slot < 0 && to_planes) continue;  // no partials: the reduction writes the zeros of rows without LoRA
-      if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the pipeline buffers
-      if (threadIdx.x < S::bm) {
-        const int t = threadIdx.x / kTileM;
-        rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tile_at(t), threadIdx.x % kTileM) : -1;
+      for (int lo = 0; lo < MT;) {  // runs of tiles with one slot; block-uniform (tis is in shared memory)
+        int hi = lo + 1;
+        while (hi < MT && tis[hi].slot == tis[lo].slot) ++hi;
+        const TileInfo ti = tis[lo];
+        const int run_lo = lo;
+        lo = hi;
+        if (ti.slot < 0 && to_planes) continue;  // no partials: the reduction writes the zeros of rows without LoRA
+        if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the pipeline buffers
+        if (threadIdx.x < S::bm) {
+          const int t = threadIdx.x / kTileM;
+          rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tis[t], threadIdx.x % kTileM) : -1;
+        }
+        __syncthreads();
+        shrink_block<T, V, W, ST, MT, FOLD>(x, a, v, ws, p, ti, rows_sm, xs, wt, n0, ks, to_planes, waited);
       }
-      __syncthreads();
-      WarpAcc<MT, kWarpNT> acc, sum;
-      zero_acc(acc);
-      zero_acc(sum);
-      if (ti.slot >= 0) {
-        const int kbeg = FOLD ? 0 : ks * p.k_chunk, kend = FOLD ? p.K : min(p.K, kbeg + p.k_chunk);
-        const ShrinkCopy<T, W, MT> cp = shrink_copy_plan<T, W, MT>(x, a, p, ti, rows_sm, n0, kbeg);
-        const bool warp_live = n0 + warp * kWarpN < p.N;
-        shrink_pipeline<T, W, ST, MT, FOLD>(acc, sum, cp, x, a, xs, wt, kbeg, kend, p.k_chunk / kMmaBK, warp_live,
-                                            waited);
-      }
-      wait_once(waited);
-      shrink_store<V, MT>(FOLD ? sum : acc, v, ws, p, rows_sm, n0, ks, to_planes);
     }
   }
   wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel
