@@ -178,6 +178,8 @@ __global__ void __launch_bounds__(kSimtThreads)
 
 // v[row, c] = sum over the planes of ws, in plane order, for live columns; 0 for the other columns and
 // for rows of tiles without LoRA. Item = tile.
+// Every plane's load in flight at once (32 registers; the adds in order) measured no faster where it runs at decode
+// (from 128 rows, R <= 16): r16 256x1 uniform sorted 86.4 -> 86.5 us a layer, identical 58.8 -> 60.7 (H100).
 template <typename V>
 __global__ void __launch_bounds__(kSimtThreads)
     sgmv_split_reduce_kernel(const float* __restrict__ ws, V* __restrict__ v, ShrinkArgs p) {

@@ -81,7 +81,10 @@ constexpr int64_t kShrinkNarrowWork = 1024;
 // layer µs at prefill 8x1024 (bench_kernels, the same call): 16-row items with planes and a reduction kernel r16 963,
 // r64 1250; 64-row items 875 / 1110 (840 / 1090 in a later call); folded, 64 rows x 4 stages 866 / 1050, 64 x 8
 // stages 860 / 1130, 32 x 4 796 / 1020, **32 x 8 777 / 1010** (again: 784 against 845 with planes, 1010 against
-// 1090); 32 x 6 793 / 1060; 16 x 8 922 / 1240. 8-warp CTAs (128 columns of v) where N > 64: no gain (r64 1030-1080).
+// 1090); 32 x 6 793 / 1060; 16 x 8 922 / 1240. 8-warp CTAs (128 columns of v) where N > 64: no gain (r64 1030-1080);
+// warps of 32 columns (128-column CTAs) where N > 64, 4 / 6 stages: r64 1010 / 1090 against 1010; 64-row items only
+// where N >= 64 (r64, where a 32-row item reads twice its x bytes in weights), 3 / 4 / 6 stages: 1020 / 996 / 1030
+// against 973 (the twenty-third session).
 constexpr int kShrinkPrefillTiles = 2;
 constexpr int kShrinkPrefillStages = 8;
 
