@@ -22,7 +22,7 @@
 // (KS <= 2; 4 for KS = 4) r16 774 -> 790, r64 1010 -> 1020; streaming stores (st.global.cs) and runs of warps aligned
 // to column tiles (so that warps of neighbouring column tiles read the same rows at once) no change; items ordered two
 // column tiles at a time (a warp's consecutive items cover 256 contiguous bytes of each row, two sets of B fragments,
-// 117 registers) r16 765 -> 793, r64 974 -> 973. At decode
+// 117 registers) r16 765 -> 793, r64 974 -> 973; 5 stages at 4 CTAs (v rows unpadded, to fit) 764 -> 765. At decode
 // (2 to 1023 rows) it lost to the stream and 16-row kernels in every case measured (a B block per item: r64 64x1
 // uniform sorted 271 against 137, r16 256x1 sorted 106 against 85).
 //
