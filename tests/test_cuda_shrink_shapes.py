@@ -3,7 +3,7 @@ plan_shrink): one warp for a few rows x columns of v, 4 up to 16 rows and for pr
 its 16 columns alone, so a row has the same bits under every shape: a row's v and its apply_lora output are
 torch.equal inside batches of 1, 8, 40 and 1187 rows, and right against float64. At 1187 rows (prefill) each item also
 runs its K splits in turn and writes v itself, where smaller batches write fp32 planes that a kernel sums in order: the
-same bits. Weights past each slot's rank are NaN, so a shape that read them would fail."""
+same bits; on sm_90a that item is a warpgroup MMA (wgmma) of 64 rows, whose sums are mma.sync's bit for bit. Weights past each slot's rank are NaN, so a shape that read them would fail."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import lora_kernels as lk
+import lora_kernels._build_meta as build_meta
 from cases import TOL, launched_sgmv_kernels, make_info, rel_err
 
 HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
@@ -74,8 +75,10 @@ def test_shrink_shapes_have_the_same_bits(dtype, shape):
     info = make_info(*SEGMENTS, None, ranks, scal, "cuda")
     v_all = torch.full((x.shape[0], a.shape[1]), float("nan"), dtype=torch.float32, device="cuda")
     names = launched_sgmv_kernels(lambda: lk.sgmv_shrink(x, a, info, num_slices, out=v_all, backend="cuda"))
-    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # prefill: the folded shrink, no reduction kernel
-        assert any("shrink_mma" in n and "true>" in n for n in names) and not any("reduce" in n for n in names), names
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # prefill: the warpgroup-MMA or the folded shrink, no reduction
+        wgmma = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in build_meta.CUDA_ARCHS
+        kernel = (lambda n: "shrink_wgmma" in n) if wgmma else (lambda n: "shrink_mma" in n and "true>" in n)
+        assert any(kernel(n) for n in names) and not any("reduce" in n for n in names), names
     assert rel_err(v_all, _reference_v(x, a, info, num_slices)) <= TOL[dtype]
     out_all = base.clone()
     lk.apply_lora(x, out_all, a, b, info, offs, backend="cuda")

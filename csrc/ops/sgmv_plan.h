@@ -14,6 +14,7 @@
 #include "kernels/sgmv_expand_tall.cuh"
 #include "kernels/sgmv_fused_cluster.cuh"
 #include "kernels/sgmv_shrink_mma.cuh"
+#include "kernels/sgmv_shrink_wgmma.cuh"
 #include "kernels/sgmv_simt.cuh"
 #include "ops/limits.h"
 
@@ -61,6 +62,8 @@ struct ShrinkPlan {
   int stages;       // tensor-core kernel: cp.async pipeline stages
   int tiles;        // tensor-core kernel: work-list tiles of an item (16 rows each)
   bool fold;        // tensor-core kernel: an item runs every split in turn and writes v (no planes)
+  int wgmma_stages;  // prefill: the warpgroup-MMA kernel (kernels/sgmv_shrink_wgmma.cuh) with this many stages, where
+                     // the device has its sm_90a code (else the fields above: the mma.sync kernel, the same bits); 0: no
 };
 
 // The tensor-core shrink's CTA width (warps) and pipeline stages by the rows of x and the width N of v. Every warp
@@ -87,6 +90,13 @@ constexpr int64_t kShrinkNarrowWork = 1024;
 // against 973 (the twenty-third session).
 constexpr int kShrinkPrefillTiles = 2;
 constexpr int kShrinkPrefillStages = 8;
+// On sm_90a the prefill shrink is the warpgroup-MMA kernel (64-row x 64-column items, kernels/sgmv_shrink_wgmma.cuh),
+// with 6 stages (2 CTAs an SM) where v has several 64-column tiles, else 8 (one CTA an SM: an item each, as many bytes
+// in flight as fit). H100, layer µs at prefill 8x1024 (bench_kernels, the same call; mma.sync 976 / 771 at r64 / r16):
+// stages by the tiles 6 / 8 910 / 770; 6 / 12 913 / 770; 6 / the mma.sync kernel for one tile 920 / 772; 4 everywhere
+// 917 / 795, 6 913 / 770, 8 939 / 763 (an earlier call). ncu (r64, each kernel alone, caches flushed): qkv 101 -> 71 us
+// (Triton 67), gate_up 67 -> 39 (Triton 40).
+constexpr int kShrinkWgmmaStagesWide = 6, kShrinkWgmmaStagesNarrow = 8;
 
 // elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned; rows: rows of x.
 inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int64_t rows) {
@@ -105,6 +115,7 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
     s.tiles = prefill ? kShrinkPrefillTiles : 1;
     s.fold = prefill && s.splits > 1;
     if (prefill) s.ctas_per_sm = 2;  // 96 KB of pipeline per CTA
+    if (prefill) s.wgmma_stages = s.n_tiles >= 2 ? kShrinkWgmmaStagesWide : kShrinkWgmmaStagesNarrow;
   } else {
     s.vec16 = (K * elem) % 16 == 0 && aligned;
     s.splits = 1;

@@ -6,6 +6,25 @@
 
 namespace lora_kernels {
 
+namespace {
+
+// The warpgroup-MMA shrink with `stages` stages, where this build has its sm_90a code and the device runs it; false,
+// having launched nothing, otherwise.
+template <typename T, typename V>
+bool launch_wgmma(const T* x, const T* a, V* v, const ShrinkArgs& p, const LaunchCfg& cfg, int stages) {
+  if (stages == kShrinkWgmmaStagesWide && has_wgmma_shrink<T, V, kShrinkWgmmaStagesWide>()) {
+    C10_CUDA_CHECK((launch_shrink_wgmma<T, V, kShrinkWgmmaStagesWide>(x, a, v, p, cfg)));
+    return true;
+  }
+  if (stages == kShrinkWgmmaStagesNarrow && has_wgmma_shrink<T, V, kShrinkWgmmaStagesNarrow>()) {
+    C10_CUDA_CHECK((launch_shrink_wgmma<T, V, kShrinkWgmmaStagesNarrow>(x, a, v, p, cfg)));
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 void run_shrink(const at::Tensor& x, const at::Tensor& lora_a, void* v, at::ScalarType v_dtype, float* ws,
                 const ShrinkArgs& p, const ShrinkPlan& plan, const LaunchCfg& cfg) {
   const bool ok = dispatch_dtype_v(x.scalar_type(), v_dtype, [&](auto t, auto vt) {
@@ -15,6 +34,9 @@ void run_shrink(const at::Tensor& x, const at::Tensor& lora_a, void* v, at::Scal
     const auto* ap = static_cast<const T*>(lora_a.data_ptr());
     auto* vp = static_cast<V*>(v);
     if constexpr (sizeof(T) == 2) {
+      // The warpgroup-MMA kernel writes v (no planes: at prefill the splits are folded or there is one).
+      if (plan.mma && plan.wgmma_stages && ws == nullptr && launch_wgmma<T, V>(xp, ap, vp, p, cfg, plan.wgmma_stages))
+        return;
       if (plan.mma) {
         C10_CUDA_CHECK((launch_shrink_mma<T, V>(xp, ap, vp, ws, p, cfg, plan.warps, plan.stages, plan.tiles,
                                                    plan.fold)));

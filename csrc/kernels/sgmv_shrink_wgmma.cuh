@@ -1,0 +1,195 @@
+// The prefill shrink on Hopper's warpgroup MMA (sm_90a; ops/sgmv_plan.h picks it from kPrefillRows rows):
+//   v[row, c] = sum_k x[row, k] * lora_a[slot, c, k]   for c % R < rank, else 0      (c < N = S*R)
+// An item is a group of kWgTiles work-list tiles (64 rows) x 64 columns of v, one warpgroup (4 warps) a CTA, numbered
+// column tile first (the column tiles of a group run side by side and share x's reads in L2). It runs every K split
+// of the block in turn through one ST-stage cp.async pipeline over the whole K axis, once per run of tiles with one
+// slot (the other rows zero-filled), and adds each split's chain to a running sum in split order: the split
+// reduction's sums, as the mma.sync kernel's FOLD form makes them (kernels/sgmv_shrink_mma.cuh).
+// Why: the mma.sync kernel moves every operand through ldmatrix, 3 shared-memory reads of 512 bytes a warp per 4 MMAs;
+// ncu had the r64 prefill shrinks at half of Triton's throughput a CTA (qkv 101 us against 67). wgmma reads both
+// operands from the swizzled stages itself: qkv 71 us, the r64 layer 976 -> 910 us (ops/sgmv_plan.h has the figures).
+// Bits: each k16 step is one m64n64k16 wgmma, whose per-element sum is that of an m16n8k16 mma.sync (the GPU tests
+// compare these rows with those of the decode kernels bit for bit), over the same k16 steps in the same order (zero
+// rows past the tile, the rank and K add exact zeros), the splits folded in order from 0.
+// Raw pointers only; no torch headers.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "kernels/sgmv_shrink_mma.cuh"
+#include "kernels/wgmma.cuh"
+
+namespace lora_kernels {
+
+constexpr int kWgTiles = 4, kWgRows = kTileM * kWgTiles, kWgCols = 64, kWgThreads = 128;
+static_assert(kWgRows == 64 && ShrinkShape<4, kWgTiles>::bn == kWgCols, "one warpgroup: 64 x 64 blocks");
+constexpr int kWgStageBytes = (kWgRows + kWgCols) * kMmaBK * 2;
+
+// Dynamic shared memory of ST stages, with room to align them to 1024 bytes (the swizzle's period).
+template <int ST>
+constexpr int shrink_wgmma_smem_bytes() { return ST * kWgStageBytes + 1024; }
+
+// The warp's accumulators of one block to v: d[4 j + e] is row 16 warp + lane / 4 + 8 (e / 2), column
+// n0 + 8 j + 2 (lane % 4) + e % 2.
+template <typename V>
+__device__ __forceinline__ void shrink_wgmma_store(const float (&d)[32], V* v, const ShrinkArgs& p, const int* rows_sm,
+                                                   int n0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = rows_sm[16 * warp + (lane >> 2) + 8 * h];
+      const int col = n0 + 8 * j + 2 * (lane & 3);
+      if (row < 0 || col >= p.N) continue;
+      V* dst = v + row * p.N + col;
+      dst[0] = from_float<V>(d[4 * j + 2 * h]);
+      if (col + 1 < p.N) dst[1] = from_float<V>(d[4 * j + 2 * h + 1]);
+    }
+}
+
+// One block: the pipeline over the whole K axis, the splits folded (fold_slabs slabs each), then the store.
+template <typename T, typename V, int ST>
+__device__ __forceinline__ void shrink_wgmma_block(const T* x, const T* a, V* v, const ShrinkArgs& p,
+                                                   const TileInfo& ti, const int* rows_sm, T* xs, T* wt, int n0,
+                                                   bool& waited) {
+  using S = ShrinkShape<4, kWgTiles>;
+  float acc[32], sum[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = sum[i] = 0.f;
+  if (ti.slot >= 0) {
+    const ShrinkCopy<T, 4, kWgTiles> cp = shrink_copy_plan<T, 4, kWgTiles>(x, a, p, ti, rows_sm, n0, 0);
+    const int tid = threadIdx.x, chunk = tid & 7, K = p.K, KT = (K + kMmaBK - 1) / kMmaBK;
+    const int fold_slabs = p.k_chunk / kMmaBK;
+    auto load_w = [&](int stage, int kt) {
+      const bool kok = kt * kMmaBK + chunk * 8 < K;
+#pragma unroll
+      for (int i = 0; i < S::w_copies; ++i) {
+        const bool ok = cp.wok[i] && kok;
+        cp_async16(wt + stage * kWgCols * kMmaBK + swz((tid >> 3) + i * S::row_step, chunk),
+                   ok ? cp.w[i] + kt * kMmaBK : a, ok ? 16 : 0);
+      }
+    };
+    auto load_x = [&](int stage, int kt) {
+      const bool kok = kt * kMmaBK + chunk * 8 < K;
+#pragma unroll
+      for (int i = 0; i < S::x_copies; ++i) {
+        const bool ok = cp.xok[i] && kok;
+        cp_async16(xs + stage * kWgRows * kMmaBK + swz((tid >> 3) + i * S::row_step, chunk),
+                   ok ? cp.x[i] + kt * kMmaBK : x, ok ? 16 : 0);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s)
+      if (s < KT) load_w(s, s);
+    wait_once(waited);  // weights before it: no kernel writes them; x after
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+      if (s < KT) load_x(s, s);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<ST - 2>();
+      fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
+      __syncthreads();      // slab kt landed for all threads; slab kt - 1's MMAs are done (waited below)
+      const int nk = kt + ST - 1;
+      if (nk < KT) {
+        load_w(nk % ST, nk);
+        load_x(nk % ST, nk);
+      }
+      cp_async_commit();
+      const T* xst = xs + (kt % ST) * kWgRows * kMmaBK;
+      const T* wst = wt + (kt % ST) * kWgCols * kMmaBK;
+      wgmma_fence_regs(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kMmaBK / 16; ++ks) wgmma_64x64x16<T>(acc, wgmma_desc(xst + 16 * ks), wgmma_desc(wst + 16 * ks));
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_regs(acc);
+      if ((kt + 1) % fold_slabs == 0 || kt + 1 == KT) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          sum[i] += acc[i];
+          acc[i] = 0.f;
+        }
+      }
+    }
+    cp_async_wait<0>();
+  }
+  wait_once(waited);
+  shrink_wgmma_store<V>(sum, v, p, rows_sm, n0);
+}
+
+template <typename T, typename V, int ST>
+__global__ void __launch_bounds__(kWgThreads)
+    sgmv_shrink_wgmma_kernel(const T* __restrict__ x, const T* __restrict__ a, V* __restrict__ v, ShrinkArgs p) {
+#if WGMMA_ENABLED
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = smem_addr(smem_raw);
+  T* xs = reinterpret_cast<T*>(smem_raw + ((1024 - base % 1024) % 1024));  // [stages][64 * kMmaBK]
+  T* wt = xs + ST * kWgRows * kMmaBK;                                      // [stages][64 * kMmaBK]
+  __shared__ int rows_sm[kWgRows];
+  __shared__ TileInfo tis[kWgTiles];
+  griddep_launch_dependents();
+  bool waited = false;
+  const int tiles = num_tiles(p.w);
+  const int total = (tiles + kWgTiles - 1) / kWgTiles * p.n_tiles;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int n0 = item % p.n_tiles * kWgCols, t0 = item / p.n_tiles * kWgTiles;
+    __syncthreads();  // the previous item is done with tis, rows_sm and the stages
+    if (threadIdx.x < kWgTiles)
+      tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(p.w, t0 + threadIdx.x, p.R) : TileInfo{-1, 0, 0, 0};
+    __syncthreads();
+    for (int lo = 0; lo < kWgTiles;) {  // runs of tiles with one slot; block-uniform (tis is in shared memory)
+      int hi = lo + 1;
+      while (hi < kWgTiles && tis[hi].slot == tis[lo].slot) ++hi;
+      const TileInfo ti = tis[lo];
+      const int run_lo = lo;
+      lo = hi;
+      if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the stages
+      if (threadIdx.x < kWgRows) {
+        const int t = threadIdx.x / kTileM;
+        rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tis[t], threadIdx.x % kTileM) : -1;
+      }
+      __syncthreads();
+      shrink_wgmma_block<T, V, ST>(x, a, v, p, ti, rows_sm, xs, wt, n0, waited);
+    }
+  }
+  wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel
+#endif
+}
+
+// Whether the build has sm_90a code for this kernel (not the compute_80 PTX, where its body is empty).
+template <typename T, typename V, int ST>
+bool has_wgmma_shrink() {
+  static const bool ok = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, sgmv_shrink_wgmma_kernel<T, V, ST>) == cudaSuccess && attr.ptxVersion >= 90;
+  }();
+  return ok;
+}
+
+
+// The grid is what the SMs hold at once (the occupancy API), never more than the items the work list's capacity
+// makes.
+template <typename T, typename V, int ST>
+cudaError_t launch_shrink_wgmma(const T* x, const T* a, V* v, const ShrinkArgs& p, LaunchCfg cfg) {
+  constexpr int smem = shrink_wgmma_smem_bytes<ST>();
+  static const int per_sm = [] {
+    int blocks = 0;
+    if (allow_dynamic_smem<sgmv_shrink_wgmma_kernel<T, V, ST>>(smem) != cudaSuccess) return 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sgmv_shrink_wgmma_kernel<T, V, ST>, kWgThreads,
+                                                         smem) == cudaSuccess ? blocks : 0;
+  }();
+  int dev = 0, sms = 0;
+  if (per_sm <= 0 || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return cudaErrorInvalidConfiguration;
+  const int64_t items = int64_t{(p.w.max_tiles + kWgTiles - 1) / kWgTiles} * p.n_tiles;
+  cfg.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t{per_sm} * sms)));
+  return launch_kernel<sgmv_shrink_wgmma_kernel<T, V, ST>>(cfg, kWgThreads, smem, x, a, v, p);
+}
+
+}  // namespace lora_kernels
