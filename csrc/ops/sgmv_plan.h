@@ -62,8 +62,8 @@ struct ShrinkPlan {
   int stages;       // tensor-core kernel: cp.async pipeline stages
   int tiles;        // tensor-core kernel: work-list tiles of an item (16 rows each)
   bool fold;        // tensor-core kernel: an item runs every split in turn and writes v (no planes)
-  int wgmma_stages;  // prefill: the warpgroup-MMA kernel (kernels/sgmv_shrink_wgmma.cuh) with this many stages, where
-                     // the device has its sm_90a code (else the fields above: the mma.sync kernel, the same bits); 0: no
+  bool wgmma;       // prefill: the warpgroup-MMA kernel (kernels/sgmv_shrink_wgmma.cuh), where the device has its sm_90a
+                    // code (else the fields above: the mma.sync kernel, the same bits)
 };
 
 // The tensor-core shrink's CTA width (warps) and pipeline stages by the rows of x and the width N of v. Every warp
@@ -91,12 +91,16 @@ constexpr int64_t kShrinkNarrowWork = 1024;
 constexpr int kShrinkPrefillTiles = 2;
 constexpr int kShrinkPrefillStages = 8;
 // On sm_90a the prefill shrink is the warpgroup-MMA kernel (64-row x 64-column items, kernels/sgmv_shrink_wgmma.cuh),
-// with 6 stages (2 CTAs an SM) where v has several 64-column tiles, else 8 (one CTA an SM: an item each, as many bytes
-// in flight as fit). H100, layer µs at prefill 8x1024 (bench_kernels, the same call; mma.sync 976 / 771 at r64 / r16):
-// stages by the tiles 6 / 8 910 / 770; 6 / 12 913 / 770; 6 / the mma.sync kernel for one tile 920 / 772; 4 everywhere
-// 917 / 795, 6 913 / 770, 8 939 / 763 (an earlier call). ncu (r64, each kernel alone, caches flushed): qkv 101 -> 71 us
-// (Triton 67), gate_up 67 -> 39 (Triton 40).
-constexpr int kShrinkWgmmaStagesWide = 6, kShrinkWgmmaStagesNarrow = 8;
+// its stages by the items (64-row groups of the work list's capacity x 64-column tiles of v) and the SMs: the deepest
+// pipeline whose CTAs an SM (one at 8 stages, 2 at 6, 3 at 4) take every item at once. H100, layer µs at prefill
+// 8x1024 (bench_kernels, the same call; mma.sync 976 / 771 at r64 / r16): 6 stages where v has several column tiles,
+// else 8: 910 / 770; 6 / 12: 913 / 770; 6 / the mma.sync kernel for one tile: 920 / 772; 4 everywhere 917 / 795, 6 913
+// / 770, 8 939 / 763 (an earlier call). ncu, r64, each kernel alone: qkv (390 items) 48 us at 4 stages, 71 at 6 (1.5
+// waves; mma.sync 101, Triton 67); gate_up (256) 41 / 39 (mma.sync 67, Triton 40); o, down (128) at 8 stages 34 / 94,
+// at 4 38 / 108 (mma.sync 36 / 111).
+inline int shrink_wgmma_stages(int64_t items, int sms) {
+  return items <= sms ? 8 : (items <= 2 * int64_t{sms} ? 6 : 4);
+}
 
 // elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned; rows: rows of x.
 inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int64_t rows) {
@@ -115,7 +119,7 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
     s.tiles = prefill ? kShrinkPrefillTiles : 1;
     s.fold = prefill && s.splits > 1;
     if (prefill) s.ctas_per_sm = 2;  // 96 KB of pipeline per CTA
-    if (prefill) s.wgmma_stages = s.n_tiles >= 2 ? kShrinkWgmmaStagesWide : kShrinkWgmmaStagesNarrow;
+    s.wgmma = prefill;
   } else {
     s.vec16 = (K * elem) % 16 == 0 && aligned;
     s.splits = 1;

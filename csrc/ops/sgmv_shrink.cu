@@ -1,5 +1,8 @@
 // Dispatch of the shrink and split-reduction launchers over the dtype list (ops/dtypes.h).
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+
+#include <type_traits>
 
 #include "ops/dtypes.h"
 #include "ops/sgmv_run.h"
@@ -8,19 +11,21 @@ namespace lora_kernels {
 
 namespace {
 
-// The warpgroup-MMA shrink with `stages` stages, where this build has its sm_90a code and the device runs it; false,
-// having launched nothing, otherwise.
+// The warpgroup-MMA shrink (stages by its items and the SMs: sgmv_plan.h), where this build has its sm_90a code and
+// the device runs it; false, having launched nothing, otherwise.
 template <typename T, typename V>
-bool launch_wgmma(const T* x, const T* a, V* v, const ShrinkArgs& p, const LaunchCfg& cfg, int stages) {
-  if (stages == kShrinkWgmmaStagesWide && has_wgmma_shrink<T, V, kShrinkWgmmaStagesWide>()) {
-    C10_CUDA_CHECK((launch_shrink_wgmma<T, V, kShrinkWgmmaStagesWide>(x, a, v, p, cfg)));
+bool launch_wgmma(const T* x, const T* a, V* v, const ShrinkArgs& p, const LaunchCfg& cfg) {
+  const int64_t items = cdiv(p.w.max_tiles, kWgTiles) * p.n_tiles;
+  const int stages = shrink_wgmma_stages(items, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const auto launch = [&](auto st) {
+    constexpr int ST = decltype(st)::value;
+    if (!has_wgmma_shrink<T, V, ST>()) return false;
+    C10_CUDA_CHECK((launch_shrink_wgmma<T, V, ST>(x, a, v, p, cfg)));
     return true;
-  }
-  if (stages == kShrinkWgmmaStagesNarrow && has_wgmma_shrink<T, V, kShrinkWgmmaStagesNarrow>()) {
-    C10_CUDA_CHECK((launch_shrink_wgmma<T, V, kShrinkWgmmaStagesNarrow>(x, a, v, p, cfg)));
-    return true;
-  }
-  return false;
+  };
+  if (stages == 8) return launch(std::integral_constant<int, 8>{});
+  if (stages == 6) return launch(std::integral_constant<int, 6>{});
+  return launch(std::integral_constant<int, 4>{});
 }
 
 }  // namespace
@@ -35,8 +40,7 @@ void run_shrink(const at::Tensor& x, const at::Tensor& lora_a, void* v, at::Scal
     auto* vp = static_cast<V*>(v);
     if constexpr (sizeof(T) == 2) {
       // The warpgroup-MMA kernel writes v (no planes: at prefill the splits are folded or there is one).
-      if (plan.mma && plan.wgmma_stages && ws == nullptr && launch_wgmma<T, V>(xp, ap, vp, p, cfg, plan.wgmma_stages))
-        return;
+      if (plan.mma && plan.wgmma && ws == nullptr && launch_wgmma<T, V>(xp, ap, vp, p, cfg)) return;
       if (plan.mma) {
         C10_CUDA_CHECK((launch_shrink_mma<T, V>(xp, ap, vp, ws, p, cfg, plan.warps, plan.stages, plan.tiles,
                                                    plan.fold)));
