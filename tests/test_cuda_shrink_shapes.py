@@ -3,7 +3,8 @@ plan_shrink): one warp for a few rows x columns of v, 4 up to 16 rows and for pr
 its 16 columns alone, so a row has the same bits under every shape: a row's v and its apply_lora output are
 torch.equal inside batches of 1, 8, 40 and 1187 rows, and right against float64. At 1187 rows (prefill) each item also
 runs its K splits in turn and writes v itself, where smaller batches write fp32 planes that a kernel sums in order: the
-same bits; on sm_90a that item is a warpgroup MMA (wgmma) of 64 rows, whose sums are mma.sync's bit for bit. Weights past each slot's rank are NaN, so a shape that read them would fail."""
+same bits; on sm_90a that item is a warpgroup MMA (wgmma) of 64 rows, whose sums are mma.sync's bit for bit. Weights
+past each slot's rank are NaN, so a shape that read them would fail."""
 
 from __future__ import annotations
 

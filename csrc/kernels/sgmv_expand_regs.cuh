@@ -22,7 +22,13 @@
 // (KS <= 2; 4 for KS = 4) r16 774 -> 790, r64 1010 -> 1020; streaming stores (st.global.cs) and runs of warps aligned
 // to column tiles (so that warps of neighbouring column tiles read the same rows at once) no change; items ordered two
 // column tiles at a time (a warp's consecutive items cover 256 contiguous bytes of each row, two sets of B fragments,
-// 117 registers) r16 765 -> 793, r64 974 -> 973; 5 stages at 4 CTAs (v rows unpadded, to fit) 764 -> 765. At decode
+// 117 registers) r16 765 -> 793, r64 974 -> 973; 5 stages at 4 CTAs (v rows unpadded, to fit) 764 -> 765. Fewer
+// instructions an item (ncu's source view of the r64 o expand: ~900 an item, 28% of the stall samples in the copies'
+// address code, 37% in compute; the twenty-fourth session): copies without branches or pointer selects, no division
+// per item, v in T used without the 0 + v round trip: bit-equal, r16 763 -> 755 but r64 891 -> 906 (three alternating
+// runs each; KS = 4 then spilled 8 bytes in the loop), rejected. A warp sweep (warps of one column tile taking every
+// lanes-th tile, so that all warps cross the rows together): r16 771 -> 831, r64 976 -> 1280 (B reloaded per item). At
+// decode
 // (2 to 1023 rows) it lost to the stream and 16-row kernels in every case measured (a B block per item: r64 64x1
 // uniform sorted 271 against 137, r16 256x1 sorted 106 against 85).
 //

@@ -104,7 +104,8 @@ __device__ __forceinline__ void shrink_wgmma_block(const T* x, const T* a, V* v,
       wgmma_fence_regs(acc);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kMmaBK / 16; ++ks) wgmma_64x64x16<T>(acc, wgmma_desc(xst + 16 * ks), wgmma_desc(wst + 16 * ks));
+      for (int ks = 0; ks < kMmaBK / 16; ++ks)
+        wgmma_64x64x16<T>(acc, wgmma_desc(xst + 16 * ks), wgmma_desc(wst + 16 * ks));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_regs(acc);

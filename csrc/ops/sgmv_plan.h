@@ -62,8 +62,8 @@ struct ShrinkPlan {
   int stages;       // tensor-core kernel: cp.async pipeline stages
   int tiles;        // tensor-core kernel: work-list tiles of an item (16 rows each)
   bool fold;        // tensor-core kernel: an item runs every split in turn and writes v (no planes)
-  bool wgmma;       // prefill: the warpgroup-MMA kernel (kernels/sgmv_shrink_wgmma.cuh), where the device has its sm_90a
-                    // code (else the fields above: the mma.sync kernel, the same bits)
+  bool wgmma;       // prefill: the warpgroup-MMA kernel (kernels/sgmv_shrink_wgmma.cuh) where the device has its
+                    // sm_90a code (else the fields above: the mma.sync kernel, the same bits)
 };
 
 // The tensor-core shrink's CTA width (warps) and pipeline stages by the rows of x and the width N of v. Every warp
