@@ -96,3 +96,39 @@ def test_shrink_shapes_have_the_same_bits(dtype, shape):
         assert torch.equal(out, out_all[:k]), k
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
         assert len(shapes) >= 2, shapes  # the rows above took more than one CTA shape
+
+
+@pytest.mark.parametrize("stages", [4, 6])
+def test_wgmma_stage_forms_have_the_same_bits(stages):
+    """On sm_90a the prefill shrink's stages follow its items (64-row groups x 64-column tiles of v) and the SMs
+    (csrc/ops/sgmv_plan.h, shrink_wgmma_stages): 8 up to one item an SM, 6 up to two, else 4. Batches sized to take 4
+    and 6 stages give every row the bits of the same row in a batch of 37 or 40 rows (the mma.sync kernels, K split
+    into planes)."""
+    if not (torch.cuda.get_device_capability() == (9, 0) and "9.0a" in build_meta.CUDA_ARCHS):
+        pytest.skip("the wgmma shrink needs sm_90a")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    R, in_dim, ranks = 64, 512, [64, 40, 64, 5]
+    n_tiles = {4: 3, 6: 2}[stages]  # column tiles of v (S slices of R = 64)
+    groups = {4: 2 * sms // n_tiles + 1, 6: sms // n_tiles + 1}[stages]  # items in (2 sms, ...] or (sms, 2 sms]
+    rows = 64 * groups
+    g = torch.Generator().manual_seed(11 + stages)
+    a = (torch.randn(len(ranks), n_tiles * R, in_dim, generator=g) * in_dim ** -0.5).to(torch.bfloat16)
+    for s, r in enumerate(ranks):  # NaN past each slot's rank
+        for i in range(n_tiles):
+            a[s, i * R + r:(i + 1) * R] = float("nan")
+    x = torch.randn(rows, in_dim, generator=g).to(torch.bfloat16)
+    a, x = a.cuda(), x.cuda()
+    ranks_t, scal = torch.tensor(ranks, dtype=torch.int32, device="cuda"), torch.ones(len(ranks), device="cuda")
+    lens = [1000, 37, rows - 1037 - 400, 400]
+    slots = [0, 1, 2, 3]
+    v_all = torch.full((rows, a.shape[1]), float("nan"), dtype=torch.float32, device="cuda")
+    info = make_info(lens, slots, None, ranks_t, scal, "cuda")
+    names = launched_sgmv_kernels(lambda: lk.sgmv_shrink(x, a, info, n_tiles, out=v_all, backend="cuda"))
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):
+        assert any("shrink_wgmma" in n and f", {stages}>" in n for n in names), names
+    assert rel_err(v_all, _reference_v(x, a, info, n_tiles)) <= TOL[torch.bfloat16]
+    for start, n, slot in ((0, 40, 0), (1000, 37, 1), (1101, 40, 2), (rows - 40, 40, 3)):  # inside one segment
+        one = make_info([n], [slot], None, ranks_t, scal, "cuda")
+        v = torch.full((n, a.shape[1]), float("nan"), dtype=torch.float32, device="cuda")
+        lk.sgmv_shrink(x[start:start + n], a, one, n_tiles, out=v, backend="cuda")
+        assert torch.equal(v, v_all[start:start + n]), start
