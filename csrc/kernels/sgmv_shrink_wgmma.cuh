@@ -7,7 +7,8 @@
 // reduction's sums, as the mma.sync kernel's FOLD form makes them (kernels/sgmv_shrink_mma.cuh).
 // Why: the mma.sync kernel moves every operand through ldmatrix, 3 shared-memory reads of 512 bytes a warp per 4 MMAs;
 // ncu had the r64 prefill shrinks at half of Triton's throughput a CTA (qkv 101 us against 67). wgmma reads both
-// operands from the swizzled stages itself: qkv 71 us, the r64 layer 976 -> 910 us (ops/sgmv_plan.h has the figures).
+// operands from the swizzled stages itself: qkv 48 us, the r64 layer 970 -> 894 us, r16 765 -> 762 (ops/sgmv_plan.h
+// and bench/RESULTS.md have the figures).
 // Bits: each k16 step is one m64n64k16 wgmma, whose per-element sum is that of an m16n8k16 mma.sync (the GPU tests
 // compare these rows with those of the decode kernels bit for bit), over the same k16 steps in the same order (zero
 // rows past the tile, the rank and K add exact zeros), the splits folded in order from 0.
