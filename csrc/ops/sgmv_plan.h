@@ -3,7 +3,8 @@
 // offsets, and whether the operands' pointers and rows are 16-byte aligned (else the CUDA-core path); never from
 // segments or the work list, so a row's bits do not depend on its batch (batch invariance). The rows of x pick only
 // among kernels and CTA shapes that compute the same bits (the expand's kernel, the shrink's CTA width and item
-// height), and batch capacities size the persistent grids.
+// height, its warpgroup-MMA form at prefill), and batch capacities size the persistent grids (and, with the SM count,
+// that form's pipeline depth).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -97,7 +98,7 @@ constexpr int kShrinkPrefillStages = 8;
 // else 8: 910 / 770; 6 / 12: 913 / 770; 6 / the mma.sync kernel for one tile: 920 / 772; 4 everywhere 917 / 795, 6 913
 // / 770, 8 939 / 763 (an earlier call). ncu, r64, each kernel alone: qkv (390 items) 48 us at 4 stages, 71 at 6 (1.5
 // waves; mma.sync 101, Triton 67); gate_up (256) 41 / 39 (mma.sync 67, Triton 40); o, down (128) at 8 stages 34 / 94,
-// at 4 38 / 108 (mma.sync 36 / 111).
+// at 4 38 / 108 (mma.sync 36 / 111). With this rule (45f3651, bench_kernels every case): 894 / 762, Triton 887 / 705.
 inline int shrink_wgmma_stages(int64_t items, int sms) {
   return items <= sms ? 8 : (items <= 2 * int64_t{sms} ? 6 : 4);
 }
