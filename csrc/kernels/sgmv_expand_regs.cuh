@@ -26,7 +26,8 @@
 // instructions an item (ncu's source view of the r64 o expand: ~900 an item, 28% of the stall samples in the copies'
 // address code, 37% in compute; the twenty-fourth session): copies without branches or pointer selects, no division
 // per item, v in T used without the 0 + v round trip: bit-equal, r16 763 -> 755 but r64 891 -> 906 (three alternating
-// runs each; KS = 4 then spilled 8 bytes in the loop), rejected. A warp sweep (warps of one column tile taking every
+// runs each; KS = 4 then spilled 8 bytes in the loop; at 3 stages x 3 CTAs, 162 registers, no spill: 903 against
+// 907 for that form, 891 for this one), rejected. A warp sweep (warps of one column tile taking every
 // lanes-th tile, so that all warps cross the rows together): r16 771 -> 831, r64 976 -> 1280 (B reloaded per item). At
 // decode
 // (2 to 1023 rows) it lost to the stream and 16-row kernels in every case measured (a B block per item: r64 64x1
