@@ -14,11 +14,12 @@ struct LaunchCfg {
   bool pdl;  // the caller wants PDL (sm_90+ device, LORA_KERNELS_PDL != 0)
 };
 
-// Whether `Kernel` was compiled from sm_90+ code, i.e. whether its griddepcontrol instructions exist.
-// A compute_80 PTX build JIT-compiled for a newer GPU compiles them to nothing, so it must not be
-// launched with PDL (its consumers could then run before it finished).
+// Whether `Kernel` was compiled from sm_90+ code (the sm_90a machine code of this build), i.e. whether its
+// griddepcontrol, cluster and wgmma instructions exist. A compute_80 PTX build JIT-compiled for a newer GPU compiles
+// them to nothing, so it must not be launched with PDL (its consumers could then run before it finished), and kernels
+// made only of sm_90 instructions must not be launched at all.
 template <auto Kernel>
-bool has_griddep_control() {
+bool has_sm90_code() {
   static const bool ok = [] {
     cudaFuncAttributes attr{};
     return cudaFuncGetAttributes(&attr, Kernel) == cudaSuccess && attr.ptxVersion >= 90;
@@ -44,6 +45,18 @@ cudaError_t allow_dynamic_smem(int bytes) {
   return cudaSuccess;
 }
 
+// CTAs of `Kernel` (threads, smem bytes of dynamic shared memory, the same on every call) that one SM holds at once,
+// by the occupancy API, once per kernel; 0 where it cannot say.
+template <auto Kernel>
+int resident_ctas_per_sm(int threads, int smem) {
+  static const int per_sm = [threads, smem] {
+    int blocks = 0;
+    if (allow_dynamic_smem<Kernel>(smem) != cudaSuccess) return 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, threads, smem) == cudaSuccess ? blocks : 0;
+  }();
+  return per_sm;
+}
+
 // Launches Kernel<<<cfg.grid, threads, smem, cfg.stream>>>(args...), with the programmatic-serialization
 // attribute when cfg.pdl and the kernel supports it. Returns the launch error (the caller checks it).
 template <auto Kernel, typename... Args>
@@ -61,7 +74,7 @@ cudaError_t launch_kernel(const LaunchCfg& cfg, int threads, int smem, Args... a
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   lc.attrs = attr;
-  lc.numAttrs = cfg.pdl && has_griddep_control<Kernel>() ? 1 : 0;
+  lc.numAttrs = cfg.pdl && has_sm90_code<Kernel>() ? 1 : 0;
   return cudaLaunchKernelEx(&lc, Kernel, args...);
 }
 

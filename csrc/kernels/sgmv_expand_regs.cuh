@@ -277,12 +277,7 @@ template <typename T, typename V, int KS>
 cudaError_t launch_expand_regs_ks(const V* v, const T* b, T* out, const ExpandArgs& p, LaunchCfg cfg) {
   constexpr int smem = regs_smem_bytes<V, KS>();
   // Each warp's run is fixed by the grid, so the grid is what the SMs hold at once (no CTA waits for another's end).
-  static const int per_sm = [] {
-    int blocks = 0;
-    if (allow_dynamic_smem<sgmv_expand_regs_kernel<T, V, KS>>(smem) != cudaSuccess) return 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sgmv_expand_regs_kernel<T, V, KS>, kRegsThreads,
-                                                         smem) == cudaSuccess ? blocks : 0;
-  }();
+  const int per_sm = resident_ctas_per_sm<sgmv_expand_regs_kernel<T, V, KS>>(kRegsThreads, smem);
   int dev = 0, sms = 0;
   if (per_sm > 0 && cudaGetDevice(&dev) == cudaSuccess &&
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && cfg.grid > per_sm * sms)

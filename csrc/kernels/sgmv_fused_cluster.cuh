@@ -342,16 +342,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
 #endif
 }
 
-// Whether this build has the kernel's sm_90 code (a compute_80 PTX build has an empty body).
-template <typename T>
-bool fused_cluster_built() {
-  static const bool ok = [] {
-    cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, sgmv_fused_cluster_kernel<T>) == cudaSuccess && attr.ptxVersion >= 90;
-  }();
-  return ok;
-}
-
 // Clusters of the kernel that fit on the current device at once (0: none), once per device.
 template <typename T>
 int fused_cluster_count() {

@@ -65,6 +65,62 @@ __device__ __forceinline__ ShrinkCopy<T, W, MT> shrink_copy_plan(const T* x, con
   return cp;
 }
 
+// One slab of a tile into stage `dst`: the thread's COPIES chunks (chunk tid & 7 of rows (tid >> 3) + ROW_STEP i,
+// swizzled), each from src[i] + k0 where ok[i] and kok (the chunk lies before the K range's end), else zero-filled
+// (from `fallback`, of which no byte is read).
+template <typename T, int COPIES, int ROW_STEP>
+__device__ __forceinline__ void shrink_load_slab(T* dst, const T* const (&src)[COPIES], const bool (&ok)[COPIES],
+                                                 const T* fallback, int k0, bool kok) {
+  const int tid = threadIdx.x, chunk = tid & 7;
+#pragma unroll
+  for (int i = 0; i < COPIES; ++i) {
+    const bool o = ok[i] && kok;
+    cp_async16(dst + swz((tid >> 3) + i * ROW_STEP, chunk), o ? src[i] + k0 : fallback, o ? 16 : 0);
+  }
+}
+
+// The first ST - 1 slabs of a pipeline of KT: the weight slabs first, before griddep_wait (no kernel writes the
+// weights), then x's after it, one commit group a slab (group 0 also holds every early weight slab).
+template <int ST, typename LoadW, typename LoadX>
+__device__ __forceinline__ void shrink_prologue(LoadW&& load_w, LoadX&& load_x, int KT, bool& waited) {
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s)
+    if (s < KT) load_w(s, s);
+  wait_once(waited);
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < KT) load_x(s, s);
+    cp_async_commit();
+  }
+}
+
+// The item's MT work-list tiles from t0 cut into runs of consecutive tiles with one slot (tis: MT entries of shared
+// memory). For each run that skip(ti) keeps, rows_sm (16 MT entries) holds the run's physical rows and -1 for the
+// item's other rows, and block(ti) runs with the run's first tile. Block-uniform: every thread of the CTA calls it.
+template <int MT, typename Skip, typename Block>
+__device__ __forceinline__ void for_each_slot_run(TileInfo* tis, int* rows_sm, const WorkArgs& w, int R, int tiles,
+                                                  int t0, Skip&& skip, Block&& block) {
+  __syncthreads();  // the previous item is done with tis, rows_sm and the pipeline buffers
+  if (threadIdx.x < MT)
+    tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(w, t0 + threadIdx.x, R) : TileInfo{-1, 0, 0, 0};
+  __syncthreads();
+  for (int lo = 0; lo < MT;) {  // tis is in shared memory: the runs are the same in every thread
+    int hi = lo + 1;
+    while (hi < MT && tis[hi].slot == tis[lo].slot) ++hi;
+    const TileInfo ti = tis[lo];
+    const int run_lo = lo;
+    lo = hi;
+    if (skip(ti)) continue;
+    if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the pipeline buffers
+    if (threadIdx.x < kTileM * MT) {
+      const int t = threadIdx.x / kTileM;
+      rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(w, tis[t], threadIdx.x % kTileM) : -1;
+    }
+    __syncthreads();
+    block(ti);
+  }
+}
+
 // acc = the warp's block of x_tile * w_tile^T over K range [kbeg, kend). The weight slabs of the first
 // stages are requested before griddep_wait (no kernel writes weights); x only after it.
 // FOLD: [kbeg, kend) is the whole K axis; after the last slab of each split (fold_slabs slabs) acc is added to sum
@@ -80,30 +136,14 @@ __device__ __forceinline__ void shrink_pipeline(WarpAcc<MT, kWarpNT>& acc, WarpA
   const int tid = threadIdx.x, chunk = tid & 7, lane = tid & 31, warp = tid >> 5;
   constexpr int kRowStep = S::row_step;
   auto load_w = [&](int stage, int kt) {
-    const bool kok = kbeg + kt * BK + chunk * 8 < kend;
-#pragma unroll
-    for (int i = 0; i < S::w_copies; ++i) {
-      const bool ok = cp.wok[i] && kok;
-      cp_async16(wt + stage * BN * BK + swz((tid >> 3) + i * kRowStep, chunk), ok ? cp.w[i] + kt * BK : a, ok ? 16 : 0);
-    }
+    shrink_load_slab<T, S::w_copies, kRowStep>(wt + stage * BN * BK, cp.w, cp.wok, a, kt * BK,
+                                               kbeg + kt * BK + chunk * 8 < kend);
   };
   auto load_x = [&](int stage, int kt) {
-    const bool kok = kbeg + kt * BK + chunk * 8 < kend;
-#pragma unroll
-    for (int i = 0; i < S::x_copies; ++i) {
-      const bool ok = cp.xok[i] && kok;
-      cp_async16(xs + stage * BM * BK + swz((tid >> 3) + i * kRowStep, chunk), ok ? cp.x[i] + kt * BK : x, ok ? 16 : 0);
-    }
+    shrink_load_slab<T, S::x_copies, kRowStep>(xs + stage * BM * BK, cp.x, cp.xok, x, kt * BK,
+                                               kbeg + kt * BK + chunk * 8 < kend);
   };
-#pragma unroll
-  for (int s = 0; s < ST - 1; ++s)
-    if (s < KT) load_w(s, s);
-  wait_once(waited);
-#pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {  // commit group s holds x slab s (group 0 also every early w slab)
-    if (s < KT) load_x(s, s);
-    cp_async_commit();
-  }
+  shrink_prologue<ST>(load_w, load_x, KT, waited);
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<ST - 2>();
     __syncthreads();  // slab kt landed for all threads; slab kt-1 is free to overwrite
@@ -193,25 +233,13 @@ __global__ void __launch_bounds__(32 * W)
       shrink_block<T, V, W, ST, MT, FOLD>(x, a, v, ws, p, ti, rows_sm, xs, wt, n0, ks, to_planes, waited);
     } else {
       __shared__ TileInfo tis[MT];
-      __syncthreads();  // the previous item is done with tis, rows_sm and the pipeline buffers
-      if (threadIdx.x < MT)
-        tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(p.w, t0 + threadIdx.x, p.R) : TileInfo{-1, 0, 0, 0};
-      __syncthreads();
-      for (int lo = 0; lo < MT;) {  // runs of tiles with one slot; block-uniform (tis is in shared memory)
-        int hi = lo + 1;
-        while (hi < MT && tis[hi].slot == tis[lo].slot) ++hi;
-        const TileInfo ti = tis[lo];
-        const int run_lo = lo;
-        lo = hi;
-        if (ti.slot < 0 && to_planes) continue;  // no partials: the reduction writes the zeros of rows without LoRA
-        if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the pipeline buffers
-        if (threadIdx.x < S::bm) {
-          const int t = threadIdx.x / kTileM;
-          rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tis[t], threadIdx.x % kTileM) : -1;
-        }
-        __syncthreads();
-        shrink_block<T, V, W, ST, MT, FOLD>(x, a, v, ws, p, ti, rows_sm, xs, wt, n0, ks, to_planes, waited);
-      }
+      for_each_slot_run<MT>(
+          tis, rows_sm, p.w, p.R, tiles, t0,
+          // no partials: the reduction writes the zeros of rows without LoRA
+          [&](const TileInfo& ti) { return ti.slot < 0 && to_planes; },
+          [&](const TileInfo& ti) {
+            shrink_block<T, V, W, ST, MT, FOLD>(x, a, v, ws, p, ti, rows_sm, xs, wt, n0, ks, to_planes, waited);
+          });
     }
   }
   wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel

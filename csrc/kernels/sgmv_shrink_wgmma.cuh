@@ -61,35 +61,17 @@ __device__ __forceinline__ void shrink_wgmma_block(const T* x, const T* a, V* v,
   for (int i = 0; i < 32; ++i) acc[i] = sum[i] = 0.f;
   if (ti.slot >= 0) {
     const ShrinkCopy<T, 4, kWgTiles> cp = shrink_copy_plan<T, 4, kWgTiles>(x, a, p, ti, rows_sm, n0, 0);
-    const int tid = threadIdx.x, chunk = tid & 7, K = p.K, KT = (K + kMmaBK - 1) / kMmaBK;
+    const int chunk = threadIdx.x & 7, K = p.K, KT = (K + kMmaBK - 1) / kMmaBK;
     const int fold_slabs = p.k_chunk / kMmaBK;
     auto load_w = [&](int stage, int kt) {
-      const bool kok = kt * kMmaBK + chunk * 8 < K;
-#pragma unroll
-      for (int i = 0; i < S::w_copies; ++i) {
-        const bool ok = cp.wok[i] && kok;
-        cp_async16(wt + stage * kWgCols * kMmaBK + swz((tid >> 3) + i * S::row_step, chunk),
-                   ok ? cp.w[i] + kt * kMmaBK : a, ok ? 16 : 0);
-      }
+      shrink_load_slab<T, S::w_copies, S::row_step>(wt + stage * kWgCols * kMmaBK, cp.w, cp.wok, a, kt * kMmaBK,
+                                                    kt * kMmaBK + chunk * 8 < K);
     };
     auto load_x = [&](int stage, int kt) {
-      const bool kok = kt * kMmaBK + chunk * 8 < K;
-#pragma unroll
-      for (int i = 0; i < S::x_copies; ++i) {
-        const bool ok = cp.xok[i] && kok;
-        cp_async16(xs + stage * kWgRows * kMmaBK + swz((tid >> 3) + i * S::row_step, chunk),
-                   ok ? cp.x[i] + kt * kMmaBK : x, ok ? 16 : 0);
-      }
+      shrink_load_slab<T, S::x_copies, S::row_step>(xs + stage * kWgRows * kMmaBK, cp.x, cp.xok, x, kt * kMmaBK,
+                                                    kt * kMmaBK + chunk * 8 < K);
     };
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s)
-      if (s < KT) load_w(s, s);
-    wait_once(waited);  // weights before it: no kernel writes them; x after
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
-      if (s < KT) load_x(s, s);
-      cp_async_commit();
-    }
+    shrink_prologue<ST>(load_w, load_x, KT, waited);
     for (int kt = 0; kt < KT; ++kt) {
       cp_async_wait<ST - 2>();
       fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
@@ -140,56 +122,22 @@ __global__ void __launch_bounds__(kWgThreads)
   const int total = (tiles + kWgTiles - 1) / kWgTiles * p.n_tiles;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int n0 = item % p.n_tiles * kWgCols, t0 = item / p.n_tiles * kWgTiles;
-    __syncthreads();  // the previous item is done with tis, rows_sm and the stages
-    if (threadIdx.x < kWgTiles)
-      tis[threadIdx.x] = t0 + threadIdx.x < tiles ? load_tile(p.w, t0 + threadIdx.x, p.R) : TileInfo{-1, 0, 0, 0};
-    __syncthreads();
-    for (int lo = 0; lo < kWgTiles;) {  // runs of tiles with one slot; block-uniform (tis is in shared memory)
-      int hi = lo + 1;
-      while (hi < kWgTiles && tis[hi].slot == tis[lo].slot) ++hi;
-      const TileInfo ti = tis[lo];
-      const int run_lo = lo;
-      lo = hi;
-      if (run_lo > 0) __syncthreads();  // the previous run is done with rows_sm and the stages
-      if (threadIdx.x < kWgRows) {
-        const int t = threadIdx.x / kTileM;
-        rows_sm[threadIdx.x] = t >= run_lo && t < hi ? tile_row(p.w, tis[t], threadIdx.x % kTileM) : -1;
-      }
-      __syncthreads();
-      shrink_wgmma_block<T, V, ST>(x, a, v, p, ti, rows_sm, xs, wt, n0, waited);
-    }
+    for_each_slot_run<kWgTiles>(
+        tis, rows_sm, p.w, p.R, tiles, t0, [](const TileInfo&) { return false; },
+        [&](const TileInfo& ti) { shrink_wgmma_block<T, V, ST>(x, a, v, p, ti, rows_sm, xs, wt, n0, waited); });
   }
   wait_once(waited);  // every CTA waits before it exits: see sgmv_expand_mma_kernel
 #endif
 }
 
-// Whether the build has sm_90a code for this kernel (not the compute_80 PTX, where its body is empty).
+// items: the item count the work list's capacity makes; sms: the device's SMs. The grid is what the SMs hold at once
+// (the occupancy API), never more than the items.
 template <typename T, typename V, int ST>
-bool has_wgmma_shrink() {
-  static const bool ok = [] {
-    cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, sgmv_shrink_wgmma_kernel<T, V, ST>) == cudaSuccess && attr.ptxVersion >= 90;
-  }();
-  return ok;
-}
-
-
-// The grid is what the SMs hold at once (the occupancy API), never more than the items the work list's capacity
-// makes.
-template <typename T, typename V, int ST>
-cudaError_t launch_shrink_wgmma(const T* x, const T* a, V* v, const ShrinkArgs& p, LaunchCfg cfg) {
+cudaError_t launch_shrink_wgmma(const T* x, const T* a, V* v, const ShrinkArgs& p, LaunchCfg cfg, int64_t items,
+                                int sms) {
   constexpr int smem = shrink_wgmma_smem_bytes<ST>();
-  static const int per_sm = [] {
-    int blocks = 0;
-    if (allow_dynamic_smem<sgmv_shrink_wgmma_kernel<T, V, ST>>(smem) != cudaSuccess) return 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sgmv_shrink_wgmma_kernel<T, V, ST>, kWgThreads,
-                                                         smem) == cudaSuccess ? blocks : 0;
-  }();
-  int dev = 0, sms = 0;
-  if (per_sm <= 0 || cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return cudaErrorInvalidConfiguration;
-  const int64_t items = int64_t{(p.w.max_tiles + kWgTiles - 1) / kWgTiles} * p.n_tiles;
+  const int per_sm = resident_ctas_per_sm<sgmv_shrink_wgmma_kernel<T, V, ST>>(kWgThreads, smem);
+  if (per_sm <= 0) return cudaErrorInvalidConfiguration;
   cfg.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t{per_sm} * sms)));
   return launch_kernel<sgmv_shrink_wgmma_kernel<T, V, ST>>(cfg, kWgThreads, smem, x, a, v, p);
 }

@@ -16,7 +16,7 @@ bool run_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& 
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     if constexpr (sizeof(T) == 2) {
-      if (!fused_cluster_built<T>()) return;
+      if (!has_sm90_code<sgmv_fused_cluster_kernel<T>>()) return;  // a compute_80 PTX build: an empty body
       // One CTA per SM at most: the next kernel's CTAs then find room beside this one's (see kFusedBaseBytes).
       const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
       const int clusters = std::min(fused_cluster_count<T>(), sms / kFusedCluster);

@@ -16,11 +16,11 @@ namespace {
 template <typename T, typename V>
 bool launch_wgmma(const T* x, const T* a, V* v, const ShrinkArgs& p, const LaunchCfg& cfg) {
   const int64_t items = cdiv(p.w.max_tiles, kWgTiles) * p.n_tiles;
-  const int stages = shrink_wgmma_stages(items, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, stages = shrink_wgmma_stages(items, sms);
   const auto launch = [&](auto st) {
     constexpr int ST = decltype(st)::value;
-    if (!has_wgmma_shrink<T, V, ST>()) return false;
-    C10_CUDA_CHECK((launch_shrink_wgmma<T, V, ST>(x, a, v, p, cfg)));
+    if (!has_sm90_code<sgmv_shrink_wgmma_kernel<T, V, ST>>()) return false;
+    C10_CUDA_CHECK((launch_shrink_wgmma<T, V, ST>(x, a, v, p, cfg, items, sms)));
     return true;
   };
   if (stages == 8) return launch(std::integral_constant<int, 8>{});
