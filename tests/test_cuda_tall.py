@@ -1,6 +1,6 @@
 """The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): from 1024 rows of out on the register
-expand (R <= 64) or the tall expand (items of four work-list tiles), the streaming warps (R <= 16) from 2 rows, the
-16-row kernel at one row and beyond R = 16. Every row has the same bits under each (batch invariance across the
+expand (R <= 64) or the tall expand (items of four work-list tiles), the streaming warps (R <= 16) from 2 rows (R <= 64
+where every tile is one row, from 64 rows), the 16-row kernel at one row and beyond R = 16. Every row has the same bits under each (batch invariance across the
 switches), right against float64, rows without LoRA untouched. Item groups that mix slots, slot -1, short tiles,
 ranks below the pool rank and several rank slabs all occur here."""
 
@@ -153,6 +153,46 @@ def test_one_row_has_the_batch_bits(dtype):
         lk.sgmv_expand(v[i:i + 1], b, one, offs, e1, backend="cuda")
         assert torch.equal(o1, out[i:i + 1]) and torch.equal(e1, e[i:i + 1]), (k, slot)
         assert not torch.equal(o1, base[i:i + 1])
+
+
+WIDE = {"r32": (32, (256, 72), [32, 8, 32, 17, 32, 1]), "gate_up_r64": SHAPES["gate_up_r64"]}
+
+
+@pytest.mark.parametrize("rows", [80, 160], ids=["planes", "reduced"])
+@pytest.mark.parametrize("in_dim", [256, 1024], ids=["k256", "k1024"])
+@pytest.mark.parametrize("shape", WIDE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_row_tiles_stream_beyond_r16_with_the_16_row_bits(dtype, shape, in_dim, rows):
+    """R = 32 / 64, a batch of one-row segments (as many tiles as rows: the streaming warps, 2 or 4 k16 steps an item)
+    against the same rows in two-row segments (the 16-row kernel): torch.equal for apply_lora (at in_dim 1024 the
+    shrink's K splits are summed in the expand below 128 rows, by a kernel of their own from there) and for
+    sgmv_expand on a given v; right against float64; rows of slot -1 untouched."""
+    R, widths, ranks = WIDE[shape]
+    g = torch.Generator().manual_seed(97 + 4 * list(WIDE).index(shape) + 2 * (in_dim > 256) + (rows > 80))
+    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
+    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    pair_slots = [int(s) for s in torch.randint(-1, len(ranks), (rows // 2,), generator=g)]
+    pair_slots[1] = -1
+    x = torch.randn(rows, in_dim, generator=g).to(dtype).cuda()
+    base = torch.randn(rows, offs[-1], generator=g).to(dtype).cuda()
+    v = torch.randn(rows, len(widths) * R, generator=g).cuda()
+    ones = _info([1] * rows, [s for s in pair_slots for _ in range(2)], ranks, scal)
+    pairs = _info([2] * (rows // 2), pair_slots, ranks, scal)
+    assert ones.max_tiles == rows and pairs.max_tiles < rows
+
+    o1, o2 = base.clone(), base.clone()
+    n1 = launched_sgmv_kernels(lambda: lk.apply_lora(x, o1, a, b, ones, offs, backend="cuda"))
+    n2 = launched_sgmv_kernels(lambda: lk.apply_lora(x, o2, a, b, pairs, offs, backend="cuda"))
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
+        assert any("expand_stream" in k for k in n1) and any("expand_mma" in k for k in n2), (n1, n2)
+    assert torch.equal(o1, o2)
+    for vd in (torch.float32, dtype):  # both V instantiations
+        e1, e2 = base.clone(), base.clone()
+        lk.sgmv_expand(v.to(vd), b, ones, offs, e1, backend="cuda")
+        lk.sgmv_expand(v.to(vd), b, pairs, offs, e2, backend="cuda")
+        assert torch.equal(e1, e2) and not torch.equal(e1, base)
+    assert torch.equal(o1[2:4], base[2:4]) and not torch.equal(o1, base)  # rows 2, 3: slot -1
+    assert rel_err(o1, _reference_apply(x, base, a, b, ones, offs)) <= TOL[dtype]
 
 
 def _reference_apply(x, base, a, b, info, offs):

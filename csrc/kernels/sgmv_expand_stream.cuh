@@ -1,7 +1,9 @@
-// The tensor-core expand for decode batches (2 to kTallExpandRows - 1 rows of out, pool rank R <= kStreamMaxR): the
-// same sums as sgmv_expand_mma.cuh, streamed by independent warps.
+// The tensor-core expand for decode batches (2 to kTallExpandRows - 1 rows of out, pool rank R <= kStreamMaxR, or up to
+// kStreamWideMaxR where every tile is one row; ops/sgmv_plan.h): the same sums as sgmv_expand_mma.cuh, streamed by
+// independent warps.
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
-// A warp item is one work-list tile (16 rows) x kStreamCols = 64 columns of one slice (one k16 step of B: 2 KB).
+// A warp item is one work-list tile (16 rows) x kStreamCols = 64 columns of one slice (KS = 1, 2 or 4 k16 steps of B:
+// 2, 4 or 8 KB; KS from R, the CTAs an SM from the shared memory of KS).
 // Each warp takes a contiguous run of items (those of one tile follow each other, so v is summed once per tile and
 // slice) and keeps the next item's B block and out rows in flight (cp.async into its own shared memory) while it
 // computes one; v's loads overlap them; no block barrier. Why: the 16-row kernel runs one 128-column item per
@@ -13,7 +15,8 @@
 // 204 -> 116 -> 110 -> 103, 64x1 uniform sorted 90.9 -> 64.2 -> 63.0 -> 58.2, 256x1 distinct 823 -> 409 -> 389 ->
 // 362, 16x1 distinct 56.2 -> 42.9 -> 41.5 -> 40.2. Where the 16-row kernel stays: one row (r16 bs1 21.5-22.0 against
 // 23.0-25.3 for the first forms: its 256 threads per item) and R of 32 to 64 (first forms with items of 32 / 16
-// columns: r64 bs1 32.4 against 28.5, bs16 uniform 85.2 against 77.3, 64x1 uniform 153 against 137). Slower here
+// columns: r64 bs1 32.4 against 28.5, bs16 uniform 85.2 against 77.3, 64x1 uniform 153 against 137), except where
+// every tile is one row (64-column items of 4 k16 steps, 2 CTAs an SM: ops/sgmv_plan.h has the figures). Slower here
 // too: identical adapters (full tiles: every warp sums the whole tile's v planes; r16 16x1 30.5 against 22.8),
 // which rows alone cannot tell apart.
 //
@@ -31,12 +34,16 @@
 namespace lora_kernels {
 
 constexpr int kStreamWarps = 4, kStreamThreads = 32 * kStreamWarps, kStreamStages = 2, kStreamMaxR = 16;
-constexpr int kStreamNT = 8, kStreamCols = 8 * kStreamNT;  // n8 tiles and columns of a warp item (one k16 step)
+constexpr int kStreamNT = 8, kStreamCols = 8 * kStreamNT;  // n8 tiles and columns of a warp item
 
-// Unpadded shared tiles with XOR-swizzled 16-byte chunks, so that the fragment reads (8 rows x 4 words a warp) hit
-// 32 distinct banks. B and v rows are one k16 step (2 chunks, 32 bytes): chunk c of row r at c ^ ((r / 4) & 1).
-// Out rows are the item's 64 columns (8 chunks): chunk c of row r at c ^ (r % 8).
-__device__ __forceinline__ int stream_k16(int r, int c) { return r * 16 + ((c ^ ((r >> 2) & 1)) << 3); }
+// KS: k16 steps of an item's B block (the pool rank R rounded up: 1, 2 or 4). Unpadded shared tiles with XOR-swizzled
+// 16-byte chunks, so that the fragment reads (8 rows x 4 words a warp) hit 32 distinct banks. B and v rows are KS k16
+// steps (2 KS chunks of 16 bytes); 4 / KS rows share a 128-byte line, and chunk c of row r lies at
+// c ^ ((r / (4 / KS)) % (2 KS)). Out rows are the item's 64 columns (8 chunks): chunk c of row r at c ^ (r % 8).
+template <int KS>
+__device__ __forceinline__ int stream_kc(int r, int c) {
+  return r * 16 * KS + ((c ^ ((r / (4 / KS)) & (2 * KS - 1))) << 3);
+}
 __device__ __forceinline__ int stream_o64(int r, int c) { return r * kStreamCols + ((c ^ (r & 7)) << 3); }
 
 struct StreamItem {
@@ -45,19 +52,29 @@ struct StreamItem {
 };
 
 // One warp's shared memory: per stage the item, its rows, its B block and its out rows; v of the current tile.
-template <typename T>
+template <typename T, int KS>
 struct alignas(16) StreamWarpSmem {
-  T b[kStreamStages][kStreamCols * 16];
+  T b[kStreamStages][kStreamCols * 16 * KS];
   T out[kStreamStages][kTileM * kStreamCols];
-  T vs[kTileM * 16];
+  T vs[kTileM * 16 * KS];
   StreamItem item[kStreamStages];
   int rows[kStreamStages][kTileM];
 };
 
-constexpr int kStreamSmemBytes = kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t>));
-// CTAs per SM: the registers are held to them (102 a thread); the shared memory holds them.
-constexpr int kStreamCtasPerSm = 5;
-static_assert(kStreamCtasPerSm * (kStreamSmemBytes + 1024) <= 227 * 1024, "the CTAs fit the shared memory");
+template <int KS>
+constexpr int kStreamSmemBytes = kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t, KS>));
+// CTAs per SM: at KS = 1 the registers are held to them (102 a thread); the shared memory holds them.
+template <int KS>
+constexpr int kStreamCtasPerSm = KS == 1 ? 5 : (KS == 2 ? 4 : 2);
+static_assert(kStreamCtasPerSm<1> * (kStreamSmemBytes<1> + 1024) <= 227 * 1024 &&
+                  kStreamCtasPerSm<2> * (kStreamSmemBytes<2> + 1024) <= 227 * 1024 &&
+                  kStreamCtasPerSm<4> * (kStreamSmemBytes<4> + 1024) <= 227 * 1024,
+              "the CTAs fit the shared memory");
+// The k16 steps of the stream kernel for pool rank R.
+inline int stream_ks(int64_t R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
+inline int stream_ctas_per_sm(int64_t R) {
+  return R <= 16 ? kStreamCtasPerSm<1> : (R <= 32 ? kStreamCtasPerSm<2> : kStreamCtasPerSm<4>);
+}
 
 // Item `item` (tile item / n_tiles, column tile item % n_tiles) and, in lanes 0..15, the physical row of tile row
 // `lane` (-1 where none).
@@ -69,27 +86,27 @@ __device__ __forceinline__ StreamItem stream_item(const ExpandArgs& p, int item,
                     pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kStreamCols, pick(p.offsets, sl + 1)};
 }
 
-// Stage s <- the item's B block (its two 16-byte chunks a row; zero-filled past the rank and the slice), with the
+// Stage s <- the item's B block (its 2 KS 16-byte chunks a row; zero-filled past the rank and the slice), with the
 // item and its rows. No kernel writes the weights: this may run before griddep_wait.
-template <typename T>
-__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T>& ws, int s, const T* b, const ExpandArgs& p,
+template <typename T, int KS>
+__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
                                                const StreamItem& it, int row, int lane) {
   if (lane == 0) ws.item[s] = it;
   if (lane < kTileM) ws.rows[s][lane] = row;
   if (it.slot < 0) return;
 #pragma unroll
-  for (int i = 0; i < kStreamCols * 2 / 32; ++i) {
-    const int idx = lane + 32 * i, r = idx >> 1, c = idx & 1;
+  for (int i = 0; i < kStreamCols * 2 * KS / 32; ++i) {
+    const int idx = lane + 32 * i, r = idx / (2 * KS), c = idx % (2 * KS);
     const int n = it.n0 + r, j = 8 * c;
     const int bytes = n < it.n_end ? max(0, min(16, (it.rank - j) * 2)) : 0;
-    cp_async16(ws.b[s] + stream_k16(r, c), bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b,
-               bytes);
+    cp_async16(ws.b[s] + stream_kc<KS>(r, c),
+               bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b, bytes);
   }
 }
 
 // Stage s <- the item's out rows (16-byte chunks of the rows that exist, within the slice). After griddep_wait.
-template <typename T>
-__device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T>& ws, int s, const T* out, const ExpandArgs& p,
+template <typename T, int KS>
+__device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T, KS>& ws, int s, const T* out, const ExpandArgs& p,
                                                  const StreamItem& it, int row, int lane) {
   if (it.slot < 0) return;  // warp-uniform
 #pragma unroll
@@ -102,63 +119,77 @@ __device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T>& ws, int s, c
 }
 
 // The warp's A fragments of v for the item's tile and slice: v summed over its planes in plane order from 0, as T,
-// 0 past the rank and for rows without LoRA, staged in ws.vs, then a[q] = row g (q even) / g + 8 (q odd) at
-// k = 8 (q / 2) + 2 (lane % 4) and the next k (the m16n8k16 layout). Lane i of pass 0 takes quad i % 4 of row i / 4,
-// so a tile of up to 8 rows takes one pass (batches of 8 planes); a single plane (v summed by an earlier kernel, or
-// v itself) is loaded in one batch for both passes.
-template <typename T, typename V>
-__device__ __forceinline__ void stream_load_v(uint32_t (&a)[4], StreamWarpSmem<T>& ws, int s, const V* v,
+// 0 past the rank and for rows without LoRA, staged in ws.vs, then a[ks][q] = row g (q even) / g + 8 (q odd) at
+// k = 16 ks + 8 (q / 2) + 2 (lane % 4) and the next k (the m16n8k16 layout). Lane i takes quad i % 4 of each k16
+// step of rows i / 4 and i / 4 + 8; a single plane (v summed by an earlier kernel, or v itself) is loaded in one batch.
+template <typename T, typename V, int KS>
+__device__ __forceinline__ void stream_load_v(uint32_t (&a)[KS][4], StreamWarpSmem<T, KS>& ws, int s, const V* v,
                                               const ExpandArgs& p, const StreamItem& it, int lane) {
-  float f[2][4];
+  float f[2][KS][4];
   const V* src[2];
-  bool live[2];
+  bool live[2][KS];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int r = (lane >> 2) + 8 * i, j0 = 4 * (lane & 3), row = ws.rows[s][r];
-    live[i] = row >= 0 && j0 < it.rank;
-    src[i] = v + static_cast<int64_t>(max(row, 0)) * p.N + it.slice * p.R + j0;
-    f[i][0] = f[i][1] = f[i][2] = f[i][3] = 0.f;
+    const int r = (lane >> 2) + 8 * i, row = ws.rows[s][r];
+    src[i] = v + static_cast<int64_t>(max(row, 0)) * p.N + it.slice * p.R + 4 * (lane & 3);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      live[i][ks] = row >= 0 && 16 * ks + 4 * (lane & 3) < it.rank;
+      f[i][ks][0] = f[i][ks][1] = f[i][ks][2] = f[i][ks][3] = 0.f;
+    }
   }
   if (p.splits == 1) {
-    Pack<V, 4> pk[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      if (live[i]) pk[i] = load_cg<V, 4>(src[i]);
+    Pack<V, 4> pk[2][KS];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) f[i][e] = live[i] ? 0.f + to_float(pk[i].v[e]) : 0.f;
+      for (int ks = 0; ks < KS; ++ks)
+        if (live[i][ks]) pk[i][ks] = load_cg<V, 4>(src[i] + 16 * ks);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[i][ks][e] = live[i][ks] ? 0.f + to_float(pk[i][ks].v[e]) : 0.f;
   } else {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
-      if (live[i]) sum_planes4(f[i], src[i], p.split_stride, p.splits);
-  }
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = (lane >> 2) + 8 * i, q = lane & 3;
-    Pack<T, 4> t;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(4 * q + e < it.rank ? f[i][e] : 0.f);
-    *reinterpret_cast<Pack<T, 4>*>(ws.vs + stream_k16(r, q >> 1) + 4 * (q & 1)) = t;
+      for (int ks = 0; ks < KS; ++ks)
+        if (live[i][ks]) sum_planes4(f[i][ks], src[i] + 16 * ks, p.split_stride, p.splits);
   }
+  const int q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const int r = (lane >> 2) + 8 * i;
+      Pack<T, 4> t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) t.v[e] = from_float<T>(16 * ks + 4 * q + e < it.rank ? f[i][ks][e] : 0.f);
+      *reinterpret_cast<Pack<T, 4>*>(ws.vs + stream_kc<KS>(r, 2 * ks + (q >> 1)) + 4 * (q & 1)) = t;
+    }
   __syncwarp();
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int q = 0; q < 4; ++q)
-    a[q] = *reinterpret_cast<const uint32_t*>(ws.vs + stream_k16(g + 8 * (q & 1), q >> 1) + 2 * t);
+  for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      a[ks][u] = *reinterpret_cast<const uint32_t*>(ws.vs + stream_kc<KS>(g + 8 * (u & 1), 2 * ks + (u >> 1)) + 2 * t);
 }
 
 // A lane's v fragments and the (tile, slice) they belong to.
+template <int KS>
 struct StreamA {
   int tile = -1, slice = -1;
-  uint32_t frag[4];
+  uint32_t frag[KS][4];
 };
 
-// Item of stage s (its loads complete, a.frag its v): the MMAs, out rows += scale * acc in shared memory, 16-byte
-// stores.
-template <typename T>
-__device__ __forceinline__ void stream_compute(StreamWarpSmem<T>& ws, int s, T* out, const ExpandArgs& p,
-                                               const StreamA& a, int lane) {
+// Item of stage s (its loads complete, a.frag its v): the MMAs (the k16 steps under the rank, in order), out rows +=
+// scale * acc in shared memory, 16-byte stores.
+template <typename T, int KS>
+__device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s, T* out, const ExpandArgs& p,
+                                               const StreamA<KS>& a, int lane) {
   const StreamItem it = ws.item[s];
   if (it.slot < 0) return;
   const int g = lane >> 2, t = lane & 3;
@@ -167,9 +198,14 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T>& ws, int s, T* 
   zero_acc(acc);
   const T* bs = ws.b[s];
 #pragma unroll
-  for (int nt = 0; nt < kStreamNT; ++nt)
-    mma_16816<T>(acc[0][nt], a.frag, *reinterpret_cast<const uint32_t*>(bs + stream_k16(8 * nt + g, 0) + 2 * t),
-                 *reinterpret_cast<const uint32_t*>(bs + stream_k16(8 * nt + g, 1) + 2 * t));
+  for (int ks = 0; ks < KS; ++ks) {
+    if (ks > 0 && 16 * ks >= it.rank) break;  // the steps under the rank, as the 16-row kernel (rank > 0 here)
+#pragma unroll
+    for (int nt = 0; nt < kStreamNT; ++nt)
+      mma_16816<T>(acc[0][nt], a.frag[ks],
+                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks) + 2 * t),
+                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks + 1) + 2 * t));
+  }
   T* os = ws.out[s];
   const float scale = p.scalings[it.slot];
 #pragma unroll
@@ -194,12 +230,12 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T>& ws, int s, T* 
   }
 }
 
-template <typename T, typename V>
-__global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
+template <typename T, typename V, int KS>
+__global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm<KS>)
     sgmv_expand_stream_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  StreamWarpSmem<T>& ws = reinterpret_cast<StreamWarpSmem<T>*>(smem_raw)[warp];
+  StreamWarpSmem<T, KS>& ws = reinterpret_cast<StreamWarpSmem<T, KS>*>(smem_raw)[warp];
   griddep_launch_dependents();
   const int total = num_tiles(p.w) * p.n_tiles, warps = gridDim.x * kStreamWarps;
   const int per = (total + warps - 1) / warps;
@@ -221,7 +257,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
     }
   cp_async_commit();
   __syncwarp();  // the stages' items and rows
-  StreamA a;
+  StreamA<KS> a;
   for (int k = 0; i0 + k < i1; ++k) {
     const int next = i0 + k + kStreamStages - 1, s_next = (k + kStreamStages - 1) % kStreamStages;
     if (next < i1) {
@@ -233,7 +269,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
     const int s = k % kStreamStages;
     const StreamItem it = ws.item[s];
     if (it.slot >= 0 && (it.tile != a.tile || it.slice != a.slice)) {  // v's loads overlap the stage's
-      stream_load_v<T, V>(a.frag, ws, s, v, p, it, lane);
+      stream_load_v<T, V, KS>(a.frag, ws, s, v, p, it, lane);
       a.tile = it.tile;
       a.slice = it.slice;
     }
@@ -242,15 +278,22 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
     else
       cp_async_wait<kStreamStages - 1>();  // item k's group
     __syncwarp();
-    stream_compute<T>(ws, s, out, p, a, lane);
+    stream_compute<T, KS>(ws, s, out, p, a, lane);
     __syncwarp();  // the stage is refilled next
   }
 }
 
 template <typename T, typename V>
 cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  static_assert(sizeof(StreamWarpSmem<T>) == sizeof(StreamWarpSmem<uint16_t>), "16-bit T");
-  return launch_kernel<sgmv_expand_stream_kernel<T, V>>(cfg, kStreamThreads, kStreamSmemBytes, v, b, out, p);
+  static_assert(sizeof(T) == 2, "16-bit T");
+  switch (stream_ks(p.R)) {
+    case 1:
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 1>>(cfg, kStreamThreads, kStreamSmemBytes<1>, v, b, out, p);
+    case 2:
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 2>>(cfg, kStreamThreads, kStreamSmemBytes<2>, v, b, out, p);
+    default:
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 4>>(cfg, kStreamThreads, kStreamSmemBytes<4>, v, b, out, p);
+  }
 }
 
 }  // namespace lora_kernels

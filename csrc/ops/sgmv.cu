@@ -154,12 +154,13 @@ ExpandArgs make_expand_args(const WorkArgs& w, const at::Tensor& lora_b, const a
   return p;
 }
 
+// max_tiles: the work list's tile capacity (as many tiles as rows: every tile is one row, sgmv_plan.h).
 ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const at::Tensor& out, const void* v,
-                           int v_elem) {
+                           int v_elem, int64_t max_tiles) {
   const bool aligned = aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()) &&
                        reinterpret_cast<uintptr_t>(v) % (4 * v_elem) == 0;
   return plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
-                     static_cast<int>(offs.size()) - 1, aligned, aligned16(v), out.size(0));
+                     static_cast<int>(offs.size()) - 1, aligned, aligned16(v), out.size(0), max_tiles == out.size(0));
 }
 
 void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
@@ -171,7 +172,8 @@ void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora
 bool try_fused(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& scalings,
                at::IntArrayRef offs, at::Tensor& out, const WorkArgs& w, const ShrinkArgs& p, const ShrinkPlan& sp,
                bool pdl) {
-  const ExpandPlan ep = expand_plan_for(lora_b, offs, out, nullptr, 4);  // v lives in shared memory: no v pointer
+  // v lives in shared memory: no v pointer. The kernel has column groups of its own: only the plan's kind counts.
+  const ExpandPlan ep = expand_plan_for(lora_b, offs, out, nullptr, 4, w.max_tiles);
   if (!fused_fits(sp, ep, lora_b.size(2), lora_a.size(1))) return false;
   const ExpandArgs e = make_expand_args(w, lora_b, scalings, offs, out, ep, 1);
   return run_fused(x, lora_a, lora_b, out, p, e, pdl && pdl_enabled());
@@ -234,7 +236,8 @@ void sgmv_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor
   TORCH_CHECK(out.size(0) < (int64_t{1} << 31), "out is too large: ", out.sizes());
   if (max_tiles == 0 || out.numel() == 0 || lora_b.size(2) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(out.device());
-  const ExpandPlan plan = expand_plan_for(lora_b, slice_offsets, out, v.data_ptr(), static_cast<int>(v.element_size()));
+  const ExpandPlan plan =
+      expand_plan_for(lora_b, slice_offsets, out, v.data_ptr(), static_cast<int>(v.element_size()), max_tiles);
   if (plan.n_tiles == 0) return;
   const ExpandArgs p = make_expand_args(make_work(work, lora_ranks, permutation, max_tiles, out.size(0)), lora_b,
                                         scalings, slice_offsets, out, plan, 1);
@@ -266,7 +269,7 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   // sgmv_shrink (planes reduced in the same order) followed by sgmv_expand on an fp32 v.
   at::Tensor ws = at::empty({sp.fold ? 1 : sp.splits, x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
   float* wsp = ws.data_ptr<float>();
-  const ExpandPlan ep = expand_plan_for(lora_b, slice_offsets, out, wsp, 4);
+  const ExpandPlan ep = expand_plan_for(lora_b, slice_offsets, out, wsp, 4, max_tiles);
   if (ep.n_tiles == 0) return;
   const void* v = wsp;  // the planes, or their sum
   at::ScalarType v_dtype = at::kFloat;

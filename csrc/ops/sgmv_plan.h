@@ -1,10 +1,10 @@
 // Every launch decision of the SGMV ops, in one place. Each reduction order (the kernel family, the split-K count,
 // the MMA chains) comes from shapes only: dtype size, in_dim, the S*R width of v, the pool rank R, the slice
 // offsets, and whether the operands' pointers and rows are 16-byte aligned (else the CUDA-core path); never from
-// segments or the work list, so a row's bits do not depend on its batch (batch invariance). The rows of x pick only
-// among kernels and CTA shapes that compute the same bits (the expand's kernel, the shrink's CTA width and item
-// height, its warpgroup-MMA form at prefill), and batch capacities size the persistent grids (and, with the SM count,
-// that form's pipeline depth).
+// segments or the work list, so a row's bits do not depend on its batch (batch invariance). The rows of x (and whether
+// the work list has one tile a row) pick only among kernels and CTA shapes that compute the same bits (the expand's
+// kernel, the shrink's CTA width and item height, its warpgroup-MMA form at prefill), and batch capacities size the
+// persistent grids (and, with the SM count, that form's pipeline depth).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -40,13 +40,21 @@ constexpr int64_t kReduceFirstRowsStream = 128;
 // choice keeps batch invariance): from kTallExpandRows rows on, warps holding B in registers
 // (kernels/sgmv_expand_regs.cuh) up to R = kRegsMaxR where v is 16-byte aligned, else 64-row items
 // (kernels/sgmv_expand_tall.cuh: the 16-row kernel is issue-bound there); below, from 2 rows and up to
-// R = kStreamMaxR, warps streaming 16-row items (kernels/sgmv_expand_stream.cuh); else the 16-row kernel
+// R = kStreamMaxR (kStreamWideMaxR for one-row tiles, below), warps streaming 16-row items
+// (kernels/sgmv_expand_stream.cuh); else the 16-row kernel
 // (kernels/sgmv_expand_mma.cuh). The header of each says where it measured faster. The tall grid is one CTA per item
 // up to kTallCtasPerSm per SM (CTAs that come and go overlap one item's stores with the next one's loads; a
 // persistent double-buffered form measured slower, and 256 CTAs 2% slower than 64). The register expand's grid is
 // what the SMs hold at once (its launcher asks the occupancy API; kRegsCtasPerSm bounds it).
 constexpr int64_t kTallExpandRows = 1024;
 static_assert(kTallExpandRows >= kPrefillRows, "the register expand reads one plane: the shrink folds where it runs");
+// The streaming warps also take R up to kStreamWideMaxR (items of 2 or 4 k16 steps) where every tile is one row,
+// from kStreamWideRows rows. H200, layer µs (bench_kernels, the same call; 16-row kernel -> stream): r64 64x1 distinct
+// 266 -> 234 (Triton 230), 256x1 distinct 1010 -> 789 (781), unsorted 64x1 / 256x1 uniform 228 -> 196 / 881 -> 672,
+// unsorted identical 219 -> 192 / 853 -> 675. Not at 16 rows (16x1 distinct 73.9 -> 78.9, unsorted uniform 72.3 ->
+// 77.2), nor with rows sharing tiles, where each warp sums a whole tile's v planes: sorted r64 64x1 / 256x1 uniform
+// 120 -> 124 / 160 -> 166, sorted identical 16x1 / 64x1 / 256x1 30.0 -> 49.6 / 40.0 -> 58.8 / 89.2 -> 110.
+constexpr int64_t kStreamWideMaxR = 64, kStreamWideRows = 64;
 constexpr int kTallCtasPerSm = 64;
 constexpr int kRegsCtasPerSm = 8;
 
@@ -149,9 +157,10 @@ struct ExpandPlan {
 };
 
 // aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements; v16: v starts 16-byte aligned
-// (the register expand copies v's rows in 16-byte chunks); rows: rows of out.
+// (the register expand copies v's rows in 16-byte chunks); rows: rows of out; one_row_tiles: the work list has as many
+// tiles as rows (max_tiles == rows: every tile one row, as in an unsorted decode batch).
 inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int num_slices, bool aligned, bool v16,
-                              int64_t rows) {
+                              int64_t rows, bool one_row_tiles) {
   ExpandPlan e{};
   bool offsets8 = true;
   for (int i = 0; i <= num_slices; ++i) offsets8 = offsets8 && offsets[i] % 8 == 0;
@@ -168,8 +177,8 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
     pick_kernel(ExpandKernel::regs, kRegsCols, kRegsCtasPerSm);
   else if (rows >= kTallExpandRows)
     pick_kernel(ExpandKernel::tall, kExpandBN, kTallCtasPerSm);
-  else if (R <= kStreamMaxR && rows >= 2)
-    pick_kernel(ExpandKernel::stream, kStreamCols, kStreamCtasPerSm);
+  else if (rows >= 2 && (R <= kStreamMaxR || (R <= kStreamWideMaxR && one_row_tiles && rows >= kStreamWideRows)))
+    pick_kernel(ExpandKernel::stream, kStreamCols, stream_ctas_per_sm(R));
   else
     pick_kernel(ExpandKernel::mma, kExpandBN, 4);
   e.tile_start[0] = 0;
