@@ -49,12 +49,16 @@ constexpr int64_t kReduceFirstRowsStream = 128;
 constexpr int64_t kTallExpandRows = 1024;
 static_assert(kTallExpandRows >= kPrefillRows, "the register expand reads one plane: the shrink folds where it runs");
 // The streaming warps also take R up to kStreamWideMaxR (items of 2 or 4 k16 steps) where every tile is one row,
-// from kStreamWideRows rows. H200, layer µs (bench_kernels, the same call; 16-row kernel -> stream): r64 64x1 distinct
-// 266 -> 234 (Triton 230), 256x1 distinct 1010 -> 789 (781), unsorted 64x1 / 256x1 uniform 228 -> 196 / 881 -> 672,
-// unsorted identical 219 -> 192 / 853 -> 675. Not at 16 rows (16x1 distinct 73.9 -> 78.9, unsorted uniform 72.3 ->
-// 77.2), nor with rows sharing tiles, where each warp sums a whole tile's v planes: sorted r64 64x1 / 256x1 uniform
-// 120 -> 124 / 160 -> 166, sorted identical 16x1 / 64x1 / 256x1 30.0 -> 49.6 / 40.0 -> 58.8 / 89.2 -> 110.
-constexpr int64_t kStreamWideMaxR = 64, kStreamWideRows = 64;
+// from kStreamWideRows rows (where v's planes are summed first, kReduceFirstRowsStream). H200, layer µs
+// (bench_kernels, the same call), r64, against the 16-row kernel of 8-warp CTAs: 64x1 distinct 266 -> 234 (Triton
+// 230), 256x1 distinct 1010 -> 789 (781), unsorted 64x1 / 256x1 uniform 228 -> 196 / 881 -> 672, unsorted identical
+// 219 -> 192 / 853 -> 675; against its 4-warp CTAs (kernels/sgmv_expand_mma.cuh, a later call): 256x1 distinct 789 ->
+// 783, unsorted uniform 710 -> 675, but 64x1 distinct 213 -> 233 and unsorted uniform 176 -> 197, hence 128 rows. Not
+// at 16 rows (16x1 distinct 73.9 -> 78.9), nor with rows sharing tiles, where each warp sums a whole tile's v: sorted
+// r64 64x1 / 256x1 uniform 120 -> 124 / 160 -> 166, sorted identical 16x1 / 64x1 / 256x1 30.0 -> 49.6 / 40.0 -> 58.8 /
+// 89.2 -> 110. For R <= kStreamMaxR the stream kernel stays (16-row kernel of 4-warp CTAs: r16 16x1 / 64x1 / 256x1
+// uniform sorted 36.5 -> 41.1 / 52.6 -> 64.5 / 77.0 -> 95.5).
+constexpr int64_t kStreamWideMaxR = 64, kStreamWideRows = 128;
 constexpr int kTallCtasPerSm = 64;
 constexpr int kRegsCtasPerSm = 8;
 
@@ -179,8 +183,8 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
     pick_kernel(ExpandKernel::tall, kExpandBN, kTallCtasPerSm);
   else if (rows >= 2 && (R <= kStreamMaxR || (R <= kStreamWideMaxR && one_row_tiles && rows >= kStreamWideRows)))
     pick_kernel(ExpandKernel::stream, kStreamCols, stream_ctas_per_sm(R));
-  else
-    pick_kernel(ExpandKernel::mma, kExpandBN, 4);
+  else  // 8-warp CTAs at one row, 4 an SM; else 4-warp CTAs (kernels/sgmv_expand_mma.cuh)
+    pick_kernel(ExpandKernel::mma, kExpandBN, rows == 1 ? 4 : kExpandCtasPerSmRows);
   e.tile_start[0] = 0;
   for (int i = 0; i < kMaxSlices; ++i) {
     const int64_t width = i < num_slices ? offsets[i + 1] - offsets[i] : 0;
