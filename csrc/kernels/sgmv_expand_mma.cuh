@@ -220,7 +220,8 @@ template <typename T, typename V>
 cudaError_t launch_expand_mma(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg,
                               bool one_row) {
   if (one_row)
-    return launch_kernel<sgmv_expand_mma_kernel<T, V, true, 8>>(cfg, kExpandThreads, kExpandSmemBytes, v, b, out, p);
+    return launch_kernel<sgmv_expand_mma_kernel<T, V, true, kExpandThreads / 32>>(cfg, kExpandThreads,
+                                                                                   kExpandSmemBytes, v, b, out, p);
   return launch_kernel<sgmv_expand_mma_kernel<T, V, false, kExpandWarpsRows>>(cfg, 32 * kExpandWarpsRows,
                                                                               kExpandSmemBytes, v, b, out, p);
 }
