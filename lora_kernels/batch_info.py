@@ -259,8 +259,11 @@ class BatchInfoBuilder:
               ) -> LoRABatchInfo:
         """Metadata for one batch: request i owns the next `seg_token_counts[i]` rows of x and uses slot
         `slots[i]` (-1 = no LoRA). Host-side work and one non-blocking copy; never waits for the GPU
-        (unless the staging ring is exhausted, see `stalls`)."""
+        (unless the staging ring is exhausted, see `stalls`). A builder of one row (`max_tokens == 1`) ignores
+        `sort_by_adapter`: its batches' sorted order is the identity, and a permutation would only add a gather
+        to every kernel (the same rows, the same bits: batch invariance covers the choice)."""
         n = check_host_lists(seg_token_counts, slots, self.max_segments)
+        sort_by_adapter = sort_by_adapter and self.max_tokens > 1
         st = self._acquire()
         if _fill_record is not None and type(slots) in _SEQ and type(seg_token_counts) in _SEQ:
             if self._g is not None and self._g.native:

@@ -153,6 +153,23 @@ def test_layout_matches_reconstruction(cuda_graph, sort):
     assert builder.builds == len(batches) and builder.stalls == 0
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_one_row_builder_ignores_the_sort(graph):
+    """max_tokens == 1: sort_by_adapter=True gives the unsorted info (no permutation, the same segments, work list
+    and graph family), since the sorted order of one row is the identity."""
+    builder = BatchInfoBuilder(1, 3, *pool(), cuda_graph=graph)
+    for counts, slots in (([1], [4]), ([0, 1, 0], [2, 2, -1]), ([1], [-1])):
+        plain = builder.build(counts, slots)
+        plain = {f: getattr(plain, f) for f in ("seg_lens", "seg_indptr", "weight_indices", "work", "num_segments",
+                                                 "max_seg_len", "num_tokens", "max_tiles")}
+        info = builder.build(counts, slots, sort_by_adapter=True)
+        assert info.permutation is None
+        for f, want in plain.items():
+            got = getattr(info, f)
+            assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), f
+        if graph:
+            assert builder.graph_family(info)[1] is False
+
 def test_input_types_are_equivalent():
     builder = BatchInfoBuilder(32, 6, *pool())
     counts, slots = [3, 0, 7, 1], [2, -1, 2, 4]
