@@ -63,18 +63,13 @@ struct alignas(16) StreamWarpSmem {
 
 template <int KS>
 constexpr int kStreamSmemBytes = kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t, KS>));
-// CTAs per SM: at KS = 1 the registers are held to them (102 a thread); the shared memory holds them.
+// CTAs per SM for KS k16 steps: at KS = 1 the registers are held to them (102 a thread); the shared memory holds them.
+constexpr int stream_ctas_per_sm(int ks) { return ks == 1 ? 5 : (ks == 2 ? 4 : 2); }
 template <int KS>
-constexpr int kStreamCtasPerSm = KS == 1 ? 5 : (KS == 2 ? 4 : 2);
-static_assert(kStreamCtasPerSm<1> * (kStreamSmemBytes<1> + 1024) <= 227 * 1024 &&
-                  kStreamCtasPerSm<2> * (kStreamSmemBytes<2> + 1024) <= 227 * 1024 &&
-                  kStreamCtasPerSm<4> * (kStreamSmemBytes<4> + 1024) <= 227 * 1024,
-              "the CTAs fit the shared memory");
+constexpr bool stream_ctas_fit = stream_ctas_per_sm(KS) * (kStreamSmemBytes<KS> + 1024) <= 227 * 1024;
+static_assert(stream_ctas_fit<1> && stream_ctas_fit<2> && stream_ctas_fit<4>, "the CTAs fit the shared memory");
 // The k16 steps of the stream kernel for pool rank R.
 inline int stream_ks(int64_t R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
-inline int stream_ctas_per_sm(int64_t R) {
-  return R <= 16 ? kStreamCtasPerSm<1> : (R <= 32 ? kStreamCtasPerSm<2> : kStreamCtasPerSm<4>);
-}
 
 // Item `item` (tile item / n_tiles, column tile item % n_tiles) and, in lanes 0..15, the physical row of tile row
 // `lane` (-1 where none).
@@ -231,7 +226,7 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s,
 }
 
 template <typename T, typename V, int KS>
-__global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm<KS>)
+__global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
     sgmv_expand_stream_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

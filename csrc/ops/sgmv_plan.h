@@ -59,6 +59,7 @@ static_assert(kTallExpandRows >= kPrefillRows, "the register expand reads one pl
 // 89.2 -> 110. For R <= kStreamMaxR the stream kernel stays (16-row kernel of 4-warp CTAs: r16 16x1 / 64x1 / 256x1
 // uniform sorted 36.5 -> 41.1 / 52.6 -> 64.5 / 77.0 -> 95.5).
 constexpr int64_t kStreamWideMaxR = 64, kStreamWideRows = 128;
+static_assert(kStreamWideRows >= kReduceFirstRowsStream, "the wide streaming warps read one plane of v");
 constexpr int kTallCtasPerSm = 64;
 constexpr int kRegsCtasPerSm = 8;
 
@@ -182,9 +183,9 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   else if (rows >= kTallExpandRows)
     pick_kernel(ExpandKernel::tall, kExpandBN, kTallCtasPerSm);
   else if (rows >= 2 && (R <= kStreamMaxR || (R <= kStreamWideMaxR && one_row_tiles && rows >= kStreamWideRows)))
-    pick_kernel(ExpandKernel::stream, kStreamCols, stream_ctas_per_sm(R));
+    pick_kernel(ExpandKernel::stream, kStreamCols, stream_ctas_per_sm(stream_ks(R)));
   else  // 8-warp CTAs at one row, 4 an SM; else 4-warp CTAs (kernels/sgmv_expand_mma.cuh)
-    pick_kernel(ExpandKernel::mma, kExpandBN, rows == 1 ? 4 : kExpandCtasPerSmRows);
+    pick_kernel(ExpandKernel::mma, kExpandBN, e.one_row ? 4 : kExpandCtasPerSmRows);
   e.tile_start[0] = 0;
   for (int i = 0; i < kMaxSlices; ++i) {
     const int64_t width = i < num_slices ? offsets[i + 1] - offsets[i] : 0;
