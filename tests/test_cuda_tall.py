@@ -3,7 +3,7 @@ expand (R <= 64) or the tall expand (items of four work-list tiles), the streami
 where every tile is one row, from 128 rows), the 16-row kernel (8-warp CTAs at one row, else 4) at one row and beyond
 R = 16. Every row has the same bits under each (batch invariance across the switches), right against float64, rows
 without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool rank and several rank
-slabs all occur here."""
+slabs all occur here, and persistent CTAs that take many items each."""
 
 from __future__ import annotations
 
@@ -206,3 +206,50 @@ def _reference_apply(x, base, a, b, info, offs):
     out = base.double().clone()
     reference.sgmv_expand(v, b.double().nan_to_num(0), *args, info.scalings, info.permutation, offs, out)
     return out
+
+
+MANY = {"r64": (64, (14336, 14336), [64, 40, 64, 9, 64, 64]), "r136": (136, (14336, 14336), [136, 70, 1, 136, 64, 100])}
+
+
+@pytest.mark.parametrize("permuted", [False, True], ids=["in_order", "permuted"])
+@pytest.mark.parametrize("shape", MANY)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_row_ctas_of_many_items_have_the_one_row_bits(dtype, shape, permuted):
+    """The 16-row kernel's CTAs take several items each (2 x 14336 columns: 224 column tiles a work-list tile, ~20
+    tiles, so past every CTA of the persistent grid), tiles of slot -1 among them, one to three 64-wide rank slabs: each
+    item's tile, rows and first weight slab are fetched during the item before. Every row torch.equal to the row alone
+    (the one-row kernel), for apply_lora and sgmv_expand on a given v; right against float64; slot -1 rows untouched.
+    Permuted: the segments' rows scattered over the batch (a sorted batch's permutation)."""
+    R, widths, ranks = MANY[shape]
+    g = torch.Generator().manual_seed(211 + 4 * list(MANY).index(shape) + 2 * (dtype == torch.float16) + permuted)
+    a, b, offs = _weights(g, dtype, 256, R, widths, ranks)
+    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    seg_lens = [3, 1, 5, 2, 7, 1, 4, 16, 2, 1, 6, 3, 1, 2, 9, 1, 2, 3, 17, 1]
+    slots = [int(s) for s in torch.randint(0, len(ranks), (len(seg_lens),), generator=g)]
+    slots[2] = slots[9] = slots[10] = -1  # dead tiles between live ones, one right after another
+    n = sum(seg_lens)
+    x = torch.randn(n, 256, generator=g).to(dtype).cuda()
+    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
+    v = torch.randn(n, len(widths) * R, generator=g).cuda()
+    perm = torch.randperm(n, generator=g).numpy() if permuted else np.arange(n)
+    info = make_info(seg_lens, slots, perm if permuted else None, torch.tensor(ranks, dtype=torch.int32, device="cuda"),
+                     scal, "cuda")
+    out, e = base.clone(), base.clone()
+    names = launched_sgmv_kernels(lambda: lk.apply_lora(x, out, a, b, info, offs, backend="cuda"))
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
+        assert any("expand_mma" in k for k in names), names
+    lk.sgmv_expand(v, b, info, offs, e, backend="cuda")
+    assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
+    starts = np.concatenate([[0], np.cumsum(seg_lens)])
+    for k, slot in enumerate(slots):
+        rows = torch.from_numpy(perm[starts[k]:starts[k + 1]]).cuda()
+        if slot < 0:
+            assert torch.equal(out[rows], base[rows]) and torch.equal(e[rows], base[rows]), k
+            continue
+        i = int(perm[starts[k + 1] - 1])
+        one = _info([1], [slot], ranks, scal)
+        o1, e1 = base[i:i + 1].clone(), base[i:i + 1].clone()
+        lk.apply_lora(x[i:i + 1], o1, a, b, one, offs, backend="cuda")
+        lk.sgmv_expand(v[i:i + 1], b, one, offs, e1, backend="cuda")
+        assert torch.equal(o1, out[i:i + 1]) and torch.equal(e1, e[i:i + 1]), (k, slot)
+        assert not torch.equal(o1, base[i:i + 1])
