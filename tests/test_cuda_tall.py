@@ -216,17 +216,17 @@ MANY = {"r64": (64, (14336, 14336), [64, 40, 64, 9, 64, 64]), "r136": (136, (143
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16_row_ctas_of_many_items_have_the_one_row_bits(dtype, shape, permuted):
     """The 16-row kernel's CTAs take several items each (2 x 14336 columns: 224 column tiles a work-list tile, ~20
-    tiles, so past every CTA of the persistent grid), tiles of slot -1 among them, one to three 64-wide rank slabs: each
-    item's tile, rows and first weight slab are fetched during the item before. Every row torch.equal to the row alone
-    (the one-row kernel), for apply_lora and sgmv_expand on a given v; right against float64; slot -1 rows untouched.
-    Permuted: the segments' rows scattered over the batch (a sorted batch's permutation)."""
+    tiles: some 5000 items over the grid's 8 CTAs an SM), tiles of slot -1 among them (two in a row), one to three
+    64-wide rank slabs. Every row torch.equal to the row alone (the one-row kernel), for apply_lora and sgmv_expand on
+    a given v; right against float64; slot -1 rows untouched. Permuted: the segments' rows scattered over the batch
+    (a sorted batch's permutation)."""
     R, widths, ranks = MANY[shape]
     g = torch.Generator().manual_seed(211 + 4 * list(MANY).index(shape) + 2 * (dtype == torch.float16) + permuted)
     a, b, offs = _weights(g, dtype, 256, R, widths, ranks)
     scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
     seg_lens = [3, 1, 5, 2, 7, 1, 4, 16, 2, 1, 6, 3, 1, 2, 9, 1, 2, 3, 17, 1]
     slots = [int(s) for s in torch.randint(0, len(ranks), (len(seg_lens),), generator=g)]
-    slots[2] = slots[9] = slots[10] = -1  # dead tiles between live ones, one right after another
+    slots[2] = slots[9] = slots[10] = -1  # tiles of no LoRA between live ones
     n = sum(seg_lens)
     x = torch.randn(n, 256, generator=g).to(dtype).cuda()
     base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
