@@ -52,13 +52,15 @@ BMM_MAX_BYTES = 8 << 30  # gather + bmm materializes per-row weights: skipped be
 @dataclass(frozen=True)
 class Case:
     rank: int
-    kind: str  # decode | prefill
+    kind: str  # decode | prefill | mixed (one 1024-row prefill chunk beside batch - 1 decode rows)
     batch: int
     pop: str  # distinct | uniform | identical
     num_slots: int
 
     @property
     def name(self) -> str:
+        if self.kind == "mixed":
+            return f"r{self.rank} mixed 1024+{self.batch - 1}x1 {self.pop}"
         return f"r{self.rank} {self.kind} {self.batch}x{1024 if self.kind == 'prefill' else 1} {self.pop}"
 
 
@@ -75,6 +77,8 @@ def all_cases(quick: bool) -> list[Case]:
 def batch_lists(case: Case, rng) -> tuple[list[int], list[int]]:
     """(token counts, slots) per request."""
     counts = [1024 if case.kind == "prefill" else 1] * case.batch
+    if case.kind == "mixed":
+        counts[0] = 1024
     if case.pop == "distinct":
         slots = [int(s) for s in rng.permutation(case.num_slots)[: case.batch]]
     elif case.pop == "uniform":
@@ -488,7 +492,9 @@ def run_tune(args):
 AUTO_CASES = [Case(16, "decode", 1, "distinct", 1), Case(16, "decode", 16, "uniform", 32),
               Case(16, "decode", 64, "uniform", 32), Case(64, "decode", 256, "uniform", 32),
               Case(16, "decode", 64, "identical", 32), Case(64, "decode", 256, "identical", 32),
-              Case(16, "prefill", 8, "distinct", 8), Case(64, "prefill", 8, "distinct", 8)]
+              Case(16, "prefill", 8, "distinct", 8), Case(64, "prefill", 8, "distinct", 8),
+              # a chunked-prefill step: "mixed" from 1024 rows, where cuda runs its prefill kernels
+              Case(16, "mixed", 64, "uniform", 32), Case(64, "mixed", 64, "uniform", 32)]
 
 
 def tune_auto(args) -> dict:
