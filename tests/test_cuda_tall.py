@@ -58,6 +58,17 @@ def _info(seg_lens, slots, ranks, scal):
     return make_info(seg_lens, slots, None, torch.tensor(ranks, dtype=torch.int32, device="cuda"), scal, "cuda")
 
 
+def _assert_alone_equal(i, slot, ranks, scal, x, v, a, b, offs, base, out, e):
+    """Row i run alone (one row of `slot`: the one-row kernel) is torch.equal to its batch results `out` (apply_lora)
+    and `e` (sgmv_expand on v), and not its base row."""
+    one = _info([1], [slot], ranks, scal)
+    o1, e1 = base[i:i + 1].clone(), base[i:i + 1].clone()
+    lk.apply_lora(x[i:i + 1], o1, a, b, one, offs, backend="cuda")
+    lk.sgmv_expand(v[i:i + 1], b, one, offs, e1, backend="cuda")
+    assert torch.equal(o1, out[i:i + 1]) and torch.equal(e1, e[i:i + 1]), (i, slot)
+    assert not torch.equal(o1, base[i:i + 1])
+
+
 @pytest.mark.parametrize("in_dim", [256, 1024], ids=["k256", "k1024"])
 @pytest.mark.parametrize("filler_first", [False, True], ids=["filler_last", "filler_first"])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -147,13 +158,7 @@ def test_one_row_has_the_batch_bits(dtype):
     for k, slot in enumerate(slots):
         if seg_lens[k] == 0 or slot < 0:
             continue
-        i = int(starts[k] + seg_lens[k] // 2)
-        one = _info([1], [slot], ranks, scal)
-        o1, e1 = base[i:i + 1].clone(), base[i:i + 1].clone()
-        lk.apply_lora(x[i:i + 1], o1, a, b, one, offs, backend="cuda")
-        lk.sgmv_expand(v[i:i + 1], b, one, offs, e1, backend="cuda")
-        assert torch.equal(o1, out[i:i + 1]) and torch.equal(e1, e[i:i + 1]), (k, slot)
-        assert not torch.equal(o1, base[i:i + 1])
+        _assert_alone_equal(int(starts[k] + seg_lens[k] // 2), slot, ranks, scal, x, v, a, b, offs, base, out, e)
 
 
 WIDE = {"r32": (32, (256, 72), [32, 8, 32, 17, 32, 1]), "gate_up_r64": SHAPES["gate_up_r64"]}
@@ -246,10 +251,4 @@ def test_16_row_ctas_of_many_items_have_the_one_row_bits(dtype, shape, permuted)
         if slot < 0:
             assert torch.equal(out[rows], base[rows]) and torch.equal(e[rows], base[rows]), k
             continue
-        i = int(perm[starts[k + 1] - 1])
-        one = _info([1], [slot], ranks, scal)
-        o1, e1 = base[i:i + 1].clone(), base[i:i + 1].clone()
-        lk.apply_lora(x[i:i + 1], o1, a, b, one, offs, backend="cuda")
-        lk.sgmv_expand(v[i:i + 1], b, one, offs, e1, backend="cuda")
-        assert torch.equal(o1, out[i:i + 1]) and torch.equal(e1, e[i:i + 1]), (k, slot)
-        assert not torch.equal(o1, base[i:i + 1])
+        _assert_alone_equal(int(perm[starts[k + 1] - 1]), slot, ranks, scal, x, v, a, b, offs, base, out, e)
