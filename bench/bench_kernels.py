@@ -3,7 +3,8 @@ bytes floor, the streaming reference (a memcpy of the same bytes) and two baseli
 
 Modules (bf16): qkv 4096 -> 4096/1024/1024, o 4096 -> 4096, gate_up 4096 -> 2x14336, down 14336 -> 4096.
 Cases: ranks 16 and 64; decode batches 1/16/64/256 with adapters distinct / uniform over 32 slots /
-identical; prefill 8 x 1024 tokens (8 distinct adapters). Batch metadata comes from the graph-mode
+identical; prefill 8 x 1024 tokens (8 distinct adapters); a chunked-prefill step (one 1024-row chunk beside 63
+decode rows, adapters uniform over 32 slots). Batch metadata comes from the graph-mode
 BatchInfoBuilder as a serving engine would use it; where adapters repeat, sorted and unsorted both run.
 
 Per case: µs per module and per layer (sum of the four), graph replay, buffers rotated so that L2 does not
@@ -71,6 +72,8 @@ def all_cases(quick: bool) -> list[Case]:
             for pop in (("distinct", "uniform") if quick else ("distinct", "uniform", "identical")):
                 cases.append(Case(rank, "decode", batch, pop, batch if pop == "distinct" else 32))
         cases.append(Case(rank, "prefill", 8, "distinct", 8))
+        if not quick:  # a chunked-prefill step: one 1024-row chunk beside 63 decode rows
+            cases.append(Case(rank, "mixed", 64, "uniform", 32))
     return cases
 
 

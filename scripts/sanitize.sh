@@ -40,7 +40,8 @@ if [ $# -gt 0 ] && [ "$1" = "kernels" ]; then
   [ $# -eq 0 ] && set -- tests/test_cuda_backend.py tests/test_cuda_fused.py tests/test_cuda_tall.py \
     tests/test_cuda_shrink_shapes.py tests/test_lora_gemv.py -k "small or (two_launches and qkv-16-1) or \
 (tall_expand and bf16 and filler_last and k1024) or (one_row and bf16) or (shrink_shapes and bf16 and qkv_r16) or \
-(wgmma_stage_forms and 6) or (one_row_tiles and bf16 and k1024) or (many_items and bf16 and r136 and permuted) or \
+(wgmma_stage_forms and 6) or (one_row_tiles and bf16 and k1024) or (chunked_prefill and qkv_r16) or \
+(many_items and bf16 and r136 and permuted) or \
 (lora_gemv and (graph_replay or (dtype0 and (one_row or permuted_padded))))"
 fi
 if [ $# -gt 0 ] && [ "$1" != "--" ] && [ "${1#-}" = "$1" ] && [ "${1#tests}" = "$1" ]; then tools=$1; shift; fi

@@ -1,7 +1,7 @@
 """The cuda backend's tensor-core shrink runs CTAs of 1, 2 or 4 warps by the batch (csrc/ops/sgmv_plan.h,
 plan_shrink): one warp for a few rows x columns of v, 4 up to 16 rows and for prefill, 2 between. Each warp computes
 its 16 columns alone, so a row has the same bits under every shape: a row's v and its apply_lora output are
-torch.equal inside batches of 1, 8, 40 and 1187 rows, and right against float64. At 1187 rows (prefill) each item also
+torch.equal inside batches of 1, 8, 40 and 4287 rows, and right against float64. At 4287 rows (prefill) each item also
 runs its K splits in turn and writes v itself, where smaller batches write fp32 planes that a kernel sums in order: the
 same bits; on sm_90a that item is a warpgroup MMA (wgmma) of 64 rows, whose sums are mma.sync's bit for bit. Weights
 past each slot's rank are NaN, so a shape that read them would fail."""
@@ -21,7 +21,7 @@ from cases import TOL, launched_sgmv_kernels, make_info, rel_err
 HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the CUDA extension and a GPU")]
 
-SEGMENTS = ([5, 17, 33, 1, 0, 100, 64, 3, 16, 48, 900], [0, 1, 2, -1, 3, 1, 1, 4, 0, 2, 5])  # 1187 rows
+SEGMENTS = ([5, 17, 33, 1, 0, 100, 64, 3, 16, 48, 4000], [0, 1, 2, -1, 3, 1, 1, 4, 0, 2, 5])  # 4287 rows (prefill_plan)
 ROWS = (1, 8, 40)  # with the whole batch: one warp (r16), one warp or 4 (r64), 2 warps, 4 warps (prefill)
 SHAPES = {  # R, slice widths, pool ranks (some below R)
     "qkv_r16": (16, (512, 128, 128), [16, 8, 16, 3, 16, 12]),

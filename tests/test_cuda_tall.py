@@ -1,5 +1,6 @@
-"""The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): from 1024 rows of out on the register
-expand (R <= 64) or the tall expand (items of four work-list tiles), the streaming warps (R <= 16) from 2 rows (R <= 64
+"""The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): from 1024 rows of out, where the work list
+is dense and has 64 folded items or more (prefill_plan), the register expand (R <= 64) or the tall expand (items of
+four work-list tiles), the streaming warps (R <= 16) from 2 rows (R <= 64
 where every tile is one row, from 128 rows), the 16-row kernel (8-warp CTAs at one row, else 4) at one row and beyond
 R = 16. Every row has the same bits under each (batch invariance across the switches), right against float64, rows
 without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool rank and several rank
@@ -74,7 +75,7 @@ def _assert_alone_equal(i, slot, ranks, scal, x, v, a, b, offs, base, out, e):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
-    """The rows of SEGMENTS alone (287 rows: the 16-row or streaming kernel) and inside a batch with a 1100-row
+    """The rows of SEGMENTS alone (287 rows: the 16-row or streaming kernel) and inside a batch with a 4100-row
     segment (the register or tall kernel, the rows' tiles grouped differently by where the filler sits): torch.equal,
     for apply_lora and for sgmv_expand on a given v (fp32 and the adapters' dtype); the big batch is right against
     float64 and leaves rows of slot -1 untouched. At in_dim 1024 the shrink splits K, and the big batch's planes are
@@ -85,7 +86,7 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
     in_dim = x.shape[1]
     seg_lens, slots = SEGMENTS
     n = sum(seg_lens)
-    fill = 1100
+    fill = 4100
     xf = torch.randn(fill, in_dim, generator=g).to(dtype).cuda()
     bf = torch.randn(fill, offs[-1], generator=g).to(dtype).cuda()
     vf = torch.randn(fill, len(widths) * R, generator=g).cuda()
@@ -119,13 +120,13 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
 
 
 def test_register_expand_needs_a_16_byte_aligned_v():
-    """sgmv_expand at 1100 rows on a bf16 v that starts 8 bytes past a 16-byte boundary (contiguous, 4-element
+    """sgmv_expand at 4100 rows on a bf16 v that starts 8 bytes past a 16-byte boundary (contiguous, 4-element
     aligned): the tall kernel takes it (the register expand copies v in 16-byte chunks), with the register expand's
     bits on the aligned copy of the same v."""
     R, widths, ranks = SHAPES["qkv_r16"]
     g = torch.Generator().manual_seed(77)
     a, b, offs, scal, x, base, v = _problem(g, torch.bfloat16, "qkv_r16")
-    rows = 1100
+    rows = 4100
     info = _info([rows], [1], ranks, scal)
     out0 = torch.randn(rows, offs[-1], generator=g).to(torch.bfloat16).cuda()
     v16 = torch.randn(rows, len(widths) * R, generator=g).to(torch.bfloat16).cuda()
@@ -139,6 +140,41 @@ def test_register_expand_needs_a_16_byte_aligned_v():
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
         assert any("expand_regs" in k for k in n16) and any("expand_tall" in k for k in n8), (n16, n8)
     assert torch.equal(e8, e16) and not torch.equal(e16, out0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chunked_prefill_step_takes_the_decode_plans_with_the_same_bits(shape):
+    """A 4100-row chunk beside 63 one-row segments: 4163 rows but 257 + 63 work-list tiles, a sparse list
+    (sgmv_plan.h: prefill_plan), so the decode plans run (split-K planes, no register, tall or warpgroup-MMA kernel).
+    The chunk's rows torch.equal to the chunk alone (a dense list: the prefill plans), decode rows to the row alone,
+    for apply_lora and sgmv_expand on a given v; right against float64. in_dim 1024: the shrink splits K."""
+    R, widths, ranks = SHAPES[shape]
+    dtype, chunk, dec = torch.bfloat16, 4100, 63
+    g = torch.Generator().manual_seed(97 + list(SHAPES).index(shape))
+    a, b, offs = _weights(g, dtype, 1024, R, widths, ranks)
+    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    n = chunk + dec
+    x = torch.randn(n, 1024, generator=g).to(dtype).cuda()
+    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
+    v = torch.randn(n, len(widths) * R, generator=g).cuda()
+    slots = [5] + [int(s) for s in torch.randint(0, len(ranks), (dec,), generator=g)]
+    info = _info([chunk] + [1] * dec, slots, ranks, scal)
+    assert info.max_tiles == 257 + dec
+    out, e = base.clone(), base.clone()
+    names = launched_sgmv_kernels(lambda: lk.apply_lora(x, out, a, b, info, offs, backend="cuda"))
+    lk.sgmv_expand(v, b, info, offs, e, backend="cuda")
+    alone = _info([chunk], [5], ranks, scal)
+    out_c, e_c = base[:chunk].clone(), base[:chunk].clone()
+    names_c = launched_sgmv_kernels(lambda: lk.apply_lora(x[:chunk], out_c, a, b, alone, offs, backend="cuda"))
+    lk.sgmv_expand(v[:chunk], b, alone, offs, e_c, backend="cuda")
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
+        prefill = ("expand_regs", "expand_tall", "wgmma")
+        assert not any(p in k for k in names for p in prefill), names
+        assert any(p in k for k in names_c for p in prefill[:2]), names_c
+    assert torch.equal(out[:chunk], out_c) and torch.equal(e[:chunk], e_c)
+    assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
+    for i in (chunk, chunk + 1, chunk + 31, n - 1):
+        _assert_alone_equal(i, slots[i - chunk + 1], ranks, scal, x, v, a, b, offs, base, out, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -408,6 +408,7 @@ def test_first_mode_writes_the_delta_then_adds_the_base(monkeypatch, permute, gr
         pytest.skip("Triton backend unavailable")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.tall_config(), "min_rows": 1, "min_rank": 0,
+                                                               "dense_tiles": 0, "min_items": 0,
                                                                "shrink_group": group, "expand_group": group,
                                                                "expand_group_wide": group}})
     plan.clear_cache()

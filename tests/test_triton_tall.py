@@ -26,8 +26,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _apply(monkeypatch, base: dict, case, min_rows: int, **tall):
     monkeypatch.setattr(plan, "TABLE", {**base, "tall": {**plan.tall_config(), "min_rows": min_rows, "min_rank": 0,
-                                                         **tall}})
-    assert plan.apply_path(case.x.shape[0], case.lora_b.shape[2])[0] == ("tall" if min_rows else "split")
+                                                         "dense_tiles": 0, "min_items": 0, **tall}})
+    path = plan.apply_path(case.x.shape[0], case.lora_b.shape[2], case.lora_a.shape[1], case.info.max_tiles)
+    assert path[0] == ("tall" if min_rows else "split")
     out = case.base.clone()
     lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
     return out
@@ -95,7 +96,8 @@ def test_sgmv_shrink_takes_the_tall_shrink_with_the_same_bits(monkeypatch, k, ou
     for min_rows in (0, 1):
         tiles = dict(shrink_n=16, shrink_group=1) if DEVICE == "cpu" else {}  # the interpreter: one tile shape
         monkeypatch.setattr(plan, "TABLE", {**SMALL_TABLE, "tall": {**plan.tall_config(), "min_rows": min_rows,
-                                                                    "min_rank": 0, **tiles}})
+                                                                    "min_rank": 0, "dense_tiles": 0, "min_items": 0,
+                                                                    **tiles}})
         out = torch.full((T, S * max_rank), float("nan"), dtype=dtype, device=DEVICE)
         lk.sgmv_shrink(case.x, case.lora_a, case.info, S, out=out, backend="triton")
         outs.append(out)
@@ -111,16 +113,36 @@ def test_sgmv_shrink_takes_the_tall_shrink_with_the_same_bits(monkeypatch, k, ou
 
 def test_recipes_follow_the_tall_entry(monkeypatch):
     """A cached launch recipe is keyed by the path and its table entry: changing a group size between calls (bench
-    variants, --tune) takes effect without a cache clear; the path is chosen by rows and the pool's rank."""
-    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1}})
-    a = plan.apply_path(64, 16)
-    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE,
-                                        "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "expand_group": 4}})
-    b = plan.apply_path(64, 16)
+    variants, --tune) takes effect without a cache clear; the path is chosen by rows, the pool's rank, and the work
+    list's density and items (off here: test_tall_path_needs_a_dense_work_list_and_items)."""
+    anywhere = {**plan.TALL_DEFAULT, "min_rows": 1, "dense_tiles": 0, "min_items": 0}
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": anywhere})
+    a = plan.apply_path(64, 16, 48, 4)
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**anywhere, "expand_group": 4}})
+    b = plan.apply_path(64, 16, 48, 4)
     assert a[0] == b[0] == "tall" and a != b
-    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1, "min_rank": 32}})
-    assert plan.apply_path(64, 16) == ("split",) and plan.apply_path(64, 32)[0] == "tall"  # by the pool's rank
-    assert plan.apply_path(64, 64)[0] == "tall" and plan.apply_path(64, 65) == ("split",)  # up to max_rank (64)
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**anywhere, "min_rank": 32}})
+    assert plan.apply_path(64, 16, 48, 4) == ("split",) and plan.apply_path(64, 32, 96, 4)[0] == "tall"  # pool rank
+    assert plan.apply_path(64, 64, 192, 4)[0] == "tall" and plan.apply_path(64, 65, 195, 4) == ("split",)  # max_rank
+
+
+def test_tall_path_needs_a_dense_work_list_and_items(monkeypatch):
+    """A chunked-prefill step (a 4096-row chunk beside 63 decode rows: 260 tiles that the rows fill, 319 in the list)
+    takes the split path, as does a short chunk (fewer than min_items, 64, shrink items of 4 tiles x 64 columns of v);
+    a prefill batch whose list has at most one tile in dense_tiles (16) beyond the filled ones takes the tall path, in
+    graph mode (capacity: the rows' tiles + the segments) as in eager mode."""
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1024}})
+    assert plan.apply_path(4159, 16, 48, 256 + 63) == ("split",)
+    assert plan.apply_path(4159, 16, 48, 260 + 64) == ("split",)  # graph capacity for 64 segments
+    assert plan.apply_path(8192, 16, 16, 512 + 8)[0] == "tall"  # 8 x 1024, graph capacity: 128 items
+    assert plan.apply_path(8192, 64, 64, 512 + 32)[0] == "tall" and plan.apply_path(8192, 64, 64, 545) == ("split",)
+    assert plan.apply_path(4096, 16, 16, 256)[0] == "tall"  # 64 items
+    assert plan.apply_path(2048, 16, 48, 128) == ("split",)  # 32 items
+    assert plan.apply_path(2048, 64, 192, 128)[0] == "tall" and plan.apply_path(2048, 64, 64, 128) == ("split",)
+    assert plan.apply_path(1000, 16, 64 * 64, 63) == ("split",)  # below min_rows
+    monkeypatch.setattr(plan, "TABLE", {**plan.TABLE, "tall": {**plan.TALL_DEFAULT, "min_rows": 1024,
+                                                               "dense_tiles": 0, "min_items": 0}})
+    assert plan.apply_path(1087, 16, 48, 132)[0] == "tall"  # no bounds
 
 
 def test_tall_config_ignores_keys_it_does_not_know(monkeypatch):

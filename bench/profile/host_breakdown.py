@@ -49,7 +49,7 @@ def main():
         "torch.empty workspace": lambda: torch.empty((8, 1, S * R), dtype=torch.float32, device=dev),
     }
     lk.apply_lora(x, out, a, b, info, offs, backend="triton")
-    path = plan.apply_path(1, R)
+    path = plan.apply_path(1, R, a.shape[1], info.max_tiles)
     key = ("apply", x.shape, x.dtype, a.shape, R, offs, x.device, info.max_tiles, info.permutation is not None, path)
     recipe = plan._cache[key]  # the recipe the call above made (KeyError if this key drifts from the backend's)
     ws = torch.empty(recipe.ws, dtype=torch.float32, device=dev)

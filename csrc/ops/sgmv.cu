@@ -160,7 +160,7 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
   const bool aligned = aligned16(lora_b.data_ptr()) && aligned16(out.data_ptr()) &&
                        reinterpret_cast<uintptr_t>(v) % (4 * v_elem) == 0;
   return plan_expand(static_cast<int>(out.element_size()), lora_b.size(2), offs.data(),
-                     static_cast<int>(offs.size()) - 1, aligned, aligned16(v), out.size(0), max_tiles == out.size(0));
+                     static_cast<int>(offs.size()) - 1, aligned, aligned16(v), out.size(0), max_tiles);
 }
 
 void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
@@ -208,7 +208,7 @@ void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
   if (max_tiles == 0 || v.numel() == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const ShrinkPlan plan = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
-                                      aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0));
+                                      aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0), max_tiles);
   const ShrinkArgs p =
       make_shrink_args(make_work(work, lora_ranks, permutation, max_tiles, x.size(0)), x, lora_a, num_slices, plan);
   const LaunchCfg cfg = make_cfg(shrink_items_upper(plan, max_tiles), plan.ctas_per_sm);
@@ -259,7 +259,7 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   if (max_tiles == 0 || out.numel() == 0 || lora_b.size(2) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const ShrinkPlan sp = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
-                                    aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0));
+                                    aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0), max_tiles);
   const WorkArgs w = make_work(work, lora_ranks, permutation, max_tiles, x.size(0));
   const ShrinkArgs p = make_shrink_args(w, x, lora_a, num_slices, sp);
   if (x.size(0) <= fused_max_rows && fused_enabled(one_launch) &&

@@ -37,7 +37,7 @@ constexpr int64_t kPrefillRows = 1024;
 // 64x1 uniform measured 54.6 -> 57.1 from 32 rows. Not for the 16-row kernel: r64 256x1 uniform 187 -> 190.
 constexpr int64_t kReduceFirstRowsStream = 128;
 // The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
-// choice keeps batch invariance): from kTallExpandRows rows on, warps holding B in registers
+// choice keeps batch invariance): where prefill_plan holds from kTallExpandRows rows, warps holding B in registers
 // (kernels/sgmv_expand_regs.cuh) up to R = kRegsMaxR where v is 16-byte aligned, else 64-row items
 // (kernels/sgmv_expand_tall.cuh: the 16-row kernel is issue-bound there); below, from 2 rows and up to
 // R = kStreamMaxR (kStreamWideMaxR for one-row tiles, below), warps streaming 16-row items
@@ -64,6 +64,26 @@ constexpr int kTallCtasPerSm = 64;
 constexpr int kRegsCtasPerSm = 8;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether the prefill plans (the folded shrink; the register and tall expands) run, for rows of x, a work list of
+// max_tiles tiles (its capacity) and v of width N: from min_rows rows, with a dense list (at most one tile in
+// kDenseTiles beyond those the rows fill: the graph capacity's segments, or an eager list's partial tiles) and at
+// least kPrefillMinItems folded items (64-row x 64-column items over the filled tiles). A folded item spans four tiles
+// and runs its tiles' adapters one after another and its K splits in turn, so a chunked-prefill step (its decode rows
+// one tile each) serializes adapters in a few items, and a short chunk leaves SMs idle. Elsewhere the decode plans
+// (split-K items writing planes; the streaming or 16-row expand) run: every plan computes the same bits. H100, layer
+// µs (bench_kernels, one call), prefill plans -> decode plans: a 1024 / 2048 / 4096-row chunk + 63 decode rows
+// (uniform over 32 slots, unsorted / sorted): r16 809 / 776 -> 219 / 187, 938 / 895 -> 336 / 296, 1230 / 1110 -> 549 /
+// 524; r64 1250 / 1050 -> 419 / 358, 1580 / 1320 -> 648 / 597, 2260 / 1770 -> 1100 / 1090. Dense prefill (1024-row
+// segments; a later call): 1x1024 r16 240 -> 139, r64 297 -> 235; 2x1024 r16 313 -> 254 (32 items), r64 376 -> 471
+// (32-96 items); 4x1024 r16 439 -> 469 (64 items), r64 528 -> 925; 8x1024 r16 764 -> 944, r64 895 -> 1830. With this
+// rule at r64 2x1024 (qkv and gate_up fold, o and down do not), 347 against 377 all folded (a third call).
+constexpr int64_t kDenseTiles = 16, kPrefillMinItems = 64;
+inline bool prefill_plan(int64_t rows, int64_t max_tiles, int64_t N, int64_t min_rows) {
+  const int64_t filled = cdiv(rows, kTileM);
+  return rows >= min_rows && (max_tiles - filled) * kDenseTiles <= filled &&
+         cdiv(filled, kWgTiles) * cdiv(N, kWgCols) >= kPrefillMinItems;
+}
 
 struct ShrinkPlan {
   bool mma;         // tensor-core kernel; else the CUDA-core one
@@ -116,8 +136,9 @@ inline int shrink_wgmma_stages(int64_t items, int sms) {
   return items <= sms ? 8 : (items <= 2 * int64_t{sms} ? 6 : 4);
 }
 
-// elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned; rows: rows of x.
-inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int64_t rows) {
+// elem: bytes per element of x; aligned: x and lora_a start 16-byte aligned; rows: rows of x; max_tiles: the work
+// list's tile capacity.
+inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int64_t rows, int64_t max_tiles) {
   ShrinkPlan s{};
   s.mma = elem == 2 && K % 8 == 0 && aligned;
   if (s.mma) {
@@ -125,7 +146,8 @@ inline ShrinkPlan plan_shrink(int elem, int64_t K, int64_t N, bool aligned, int6
     const int64_t chunk = std::max<int64_t>(cdiv(cdiv(K, splits), kMmaBK) * kMmaBK, kMmaBK);
     s.k_chunk = static_cast<int>(chunk);
     s.splits = static_cast<int>(std::max<int64_t>(1, cdiv(K, chunk)));
-    const bool narrow = rows <= kTileM && rows * N <= kShrinkNarrowWork, prefill = rows >= kPrefillRows;
+    const bool narrow = rows <= kTileM && rows * N <= kShrinkNarrowWork;
+    const bool prefill = prefill_plan(rows, max_tiles, N, kPrefillRows);
     s.warps = narrow ? 1 : (rows <= kTileM || prefill ? 4 : 2);
     s.stages = narrow ? 8 : (prefill ? kShrinkPrefillStages : kShrinkStages);
     s.n_tiles = static_cast<int>(cdiv(N, int64_t{kWarpN} * s.warps));
@@ -162,10 +184,12 @@ struct ExpandPlan {
 };
 
 // aligned: lora_b and out start 16-byte aligned and v is aligned to 4 of its elements; v16: v starts 16-byte aligned
-// (the register expand copies v's rows in 16-byte chunks); rows: rows of out; one_row_tiles: the work list has as many
-// tiles as rows (max_tiles == rows: every tile one row, as in an unsorted decode batch).
+// (the register expand copies v's rows in 16-byte chunks); rows: rows of out; max_tiles: the work list's tile capacity
+// (as many tiles as rows: every tile one row, as in an unsorted decode batch).
 inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int num_slices, bool aligned, bool v16,
-                              int64_t rows, bool one_row_tiles) {
+                              int64_t rows, int64_t max_tiles) {
+  const bool one_row_tiles = max_tiles == rows;
+  const bool prefill = prefill_plan(rows, max_tiles, num_slices * R, kTallExpandRows);
   ExpandPlan e{};
   bool offsets8 = true;
   for (int i = 0; i <= num_slices; ++i) offsets8 = offsets8 && offsets[i] % 8 == 0;
@@ -178,9 +202,9 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   };
   if (!mma)
     pick_kernel(ExpandKernel::simt, kSimtExpandBN, 4);
-  else if (rows >= kTallExpandRows && R <= kRegsMaxR && v16)
+  else if (prefill && R <= kRegsMaxR && v16)
     pick_kernel(ExpandKernel::regs, kRegsCols, kRegsCtasPerSm);
-  else if (rows >= kTallExpandRows)
+  else if (prefill)
     pick_kernel(ExpandKernel::tall, kExpandBN, kTallCtasPerSm);
   else if (rows >= 2 && (R <= kStreamMaxR || (R <= kStreamWideMaxR && one_row_tiles && rows >= kStreamWideRows)))
     pick_kernel(ExpandKernel::stream, kStreamCols, stream_ctas_per_sm(stream_ks(R)));

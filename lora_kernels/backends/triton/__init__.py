@@ -7,7 +7,8 @@
                   v (no reduction kernel, no atomics); from `plan.reduce_first` rows on the partials are
                   reduced once first, so that no column tile re-reads them; up to `plan.fused_rows()` rows,
                   both in one launch (fused.py), with the same bits; from the tall entry's `min_rows` rows on
-                  (pool ranks `min_rank`..`max_rank`), tall tiles (tall.py): groups of work-list tiles per dot,
+                  (pool ranks `min_rank`..`max_rank`, a dense work list, `min_items`), tall tiles (tall.py):
+                  groups of work-list tiles per dot,
                   the shrink sums its K splits in registers into v, the expand reads v, again with the same bits
 
 Every kernel walks the batch's work list (`LoRABatchInfo.work`) with a persistent grid; plans come from
@@ -159,7 +160,8 @@ class TritonBackend:
     def sgmv_shrink(self, x, lora_a, info, num_slices, out):
         work, perm = _work(info)
         key = ("shrink", x.shape, x.dtype, lora_a.shape, num_slices, out.dtype, x.device, info.max_tiles,
-               perm is not work, _plan.apply_path(x.shape[0], lora_a.shape[1] // num_slices))
+               perm is not work, _plan.apply_path(x.shape[0], lora_a.shape[1] // num_slices, lora_a.shape[1],
+                                                 info.max_tiles))
         r = _plan.cached(key, lambda: _shrink_recipe(x, lora_a, info, num_slices, out.dtype))
         if r.mode == "direct":
             r.steps[0](x, lora_a, out, work, info.lora_ranks, perm)
@@ -182,7 +184,7 @@ class TritonBackend:
         with its expand storing instead of adding (`lora_linear`'s "first" mode). Rows the work list does not
         cover are not written: the caller checks that info covers x. Returns False, having done nothing, where
         the tall path does not run (fewer rows than the table's tall entry)."""
-        path = _plan.apply_path(x.shape[0], lora_b.shape[2])
+        path = _plan.apply_path(x.shape[0], lora_b.shape[2], lora_a.shape[1], info.max_tiles)
         if path[0] != "tall":
             return False
         work, perm = _work(info)
@@ -194,7 +196,7 @@ class TritonBackend:
 
     def apply_lora(self, x, base_out, lora_a, lora_b, info, slice_offsets):
         work, perm = _work(info)
-        path = _plan.apply_path(x.shape[0], lora_b.shape[2])
+        path = _plan.apply_path(x.shape[0], lora_b.shape[2], lora_a.shape[1], info.max_tiles)
         key = ("apply", x.shape, x.dtype, lora_a.shape, lora_b.shape[2], slice_offsets, x.device, info.max_tiles,
                perm is not work, path)
         r = _plan.cached(key, lambda: _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path))
@@ -220,7 +222,7 @@ def _shrink_recipe(x, lora_a, info, num_slices, out_dtype) -> _Recipe:
     NR, dev, mt = lora_a.shape[1], x.device, info.max_tiles
     R = NR // num_slices
     p = _plan.shrink_plan(x.shape[1], num_slices, R, x.dtype, info.permutation is not None, dev)
-    if _plan.apply_path(x.shape[0], R)[0] == "tall":
+    if _plan.apply_path(x.shape[0], R, NR, mt)[0] == "tall":
         # As apply_lora's tall path (prefill): the K splits summed in registers in split order, the reduce's sums (the
         # same bits), in one launch with no fp32 partials. Only its shrink is used: the slices' widths do not matter.
         tall = _tall_steps(p, x.shape, NR, R, tuple(range(num_slices + 1)), x.dtype, out_dtype, mt)

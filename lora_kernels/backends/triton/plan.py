@@ -31,7 +31,16 @@ FUSED_DEFAULT = {"max_rows": 0, "ctas_per_sm": 1}
 TALL_DEFAULT = {"min_rows": 0, "min_rank": 0, "shrink_group": 4, "shrink_n": 64, "shrink_warps": 4, "shrink_stages": 4,
                 "shrink_smem": 98304, "expand_group": 2, "expand_n": 128, "expand_warps": 4, "wide_rank": 32,
                 "expand_group_wide": 4, "expand_warps_wide": 8, "expand_maxnreg": 0, "expand_maxnreg_wide": 0,
-                "max_rank": 64}
+                "max_rank": 64, "dense_tiles": 16, "min_items": 64}
+# dense_tiles: the path also needs a dense work list, at most one tile in dense_tiles beyond those the rows fill (0:
+# no such bound), and min_items shrink items (shrink_group tiles x shrink_n columns of v over the filled tiles). A tall
+# item spans several tiles and runs its tiles' adapters one after another, so a chunked-prefill step, whose decode
+# rows are one tile each, serializes adapters in a few programs, and a short chunk leaves SMs idle; the split path
+# computes the same bits. H100, layer µs (bench_kernels), tall -> split: a 1024 / 2048 / 4096-row chunk + 63 decode
+# rows (uniform over 32 slots, sorted): r16 466 / 556 / 694 -> 168 / 281 / 483, r64 716 / 791 / 973 -> 308 / 481 /
+# 780; dense 1024-row segments (a later call): 1x1024 r16 181 -> 133, r64 246 -> 205; 2x1024 r16 260 -> 231 (32
+# items), r64 327 -> 362 (32-96 items); 4x1024 r16 396 -> 436 (64 items), r64 500 -> 687; 8x1024 r16 708 -> 855.
+# With min_items at r64 2x1024 (qkv and gate_up tall, o and down split): 296 against 326 all tall (a third call).
 # max_rank: pools of a higher rank take the split path. The tall expand holds a whole BLOCK_R-wide v and B block per
 # run: at rank 256 in fp32 it spilled 44 KB of stack per thread and took Triton + ptxas ~190 s to compile (sm90),
 # which stalled the GPU test grid; at rank 64 it compiles in seconds.
@@ -237,29 +246,35 @@ def tall_config() -> dict:
     return {k: table.get(k, v) for k, v in TALL_DEFAULT.items()}
 
 
-_paths: list = [None, {}]  # [the TABLE object the memo was made for, {(rows, rank): path}]
+_paths: list = [None, {}]  # [the TABLE object the memo was made for, {(rows, rank, width, max_tiles): path}]
 
 
-def apply_path(rows: int, rank: int) -> tuple:
-    """apply_lora's launches for x of `rows` rows and a pool of rank `rank`: ("fused", ...) (one launch),
+def apply_path(rows: int, rank: int, width: int, max_tiles: int) -> tuple:
+    """apply_lora's launches for x of `rows` rows, a pool of rank `rank`, v of `width` (S*R) columns and a work list
+    of `max_tiles` tiles (its capacity): ("fused", ...) (one launch),
     ("tall", ...) (tall tiles) or ("split",) (the split-K shrink then the expand), with the table entry that
     shapes them (so that a cached launch recipe follows a table change). Every path computes the same bits;
     the table picks the fastest. Memoized per table object (TABLE is replaced, never edited, to change it)."""
     if _paths[0] is not TABLE:
         _paths[0], _paths[1] = TABLE, {}
-    path = _paths[1].get((rows, rank))
+    key = (rows, rank, width, max_tiles)
+    path = _paths[1].get(key)
     if path is None:
         if len(_paths[1]) >= _CACHE_MAX:
             _paths[1].clear()
-        path = _paths[1][rows, rank] = _choose_path(rows, rank)
+        path = _paths[1][key] = _choose_path(*key)
     return path
 
 
-def _choose_path(rows: int, rank: int) -> tuple:
+def _choose_path(rows: int, rank: int, width: int, max_tiles: int) -> tuple:
     if rows <= fused_rows():
         return ("fused", *sorted({**FUSED_DEFAULT, **TABLE.get("fused", {})}.items()))
     tall = tall_config()
-    if rows >= tall["min_rows"] > 0 and tall["min_rank"] <= rank <= tall["max_rank"]:
+    filled = _cdiv(rows, TILE_M)
+    dense = tall["dense_tiles"] == 0 or (max_tiles - filled) * tall["dense_tiles"] <= filled
+    items = _cdiv(filled, tall["shrink_group"]) * _cdiv(width, tall["shrink_n"])
+    if (rows >= tall["min_rows"] > 0 and tall["min_rank"] <= rank <= tall["max_rank"] and dense
+            and items >= tall["min_items"]):
         return ("tall", *sorted(tall.items()))
     return ("split",)
 
