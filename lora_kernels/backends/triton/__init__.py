@@ -183,7 +183,8 @@ class TritonBackend:
         """out = the LoRA delta of every row (0 for rows of slot -1 / rank 0), out never read: the tall-tile path
         with its expand storing instead of adding (`lora_linear`'s "first" mode). Rows the work list does not
         cover are not written: the caller checks that info covers x. Returns False, having done nothing, where
-        the tall path does not run (fewer rows than the table's tall entry)."""
+        the tall path does not run (plan.apply_path: fewer rows than the table's tall entry, a sparse work list,
+        too few items)."""
         path = _plan.apply_path(x.shape[0], lora_b.shape[2], lora_a.shape[1], info.max_tiles)
         if path[0] != "tall":
             return False
