@@ -496,7 +496,7 @@ AUTO_CASES = [Case(16, "decode", 1, "distinct", 1), Case(16, "decode", 16, "unif
               Case(16, "decode", 64, "uniform", 32), Case(64, "decode", 256, "uniform", 32),
               Case(16, "decode", 64, "identical", 32), Case(64, "decode", 256, "identical", 32),
               Case(16, "prefill", 8, "distinct", 8), Case(64, "prefill", 8, "distinct", 8),
-              # a chunked-prefill step: "mixed" from 1024 rows, where cuda runs its prefill kernels
+              # a chunked-prefill step ("mixed"): a 1024-row chunk beside 63 decode rows, a sparse work list
               Case(16, "mixed", 64, "uniform", 32), Case(64, "mixed", 64, "uniform", 32)]
 
 
