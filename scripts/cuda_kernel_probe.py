@@ -97,7 +97,7 @@ def ncu(backend="cuda"):
 def layer(backend="triton", case="r16 decode 16x1 uniform", order="sorted"):
     import bench_kernels as bk
 
-    c = next(c for c in [*bk.all_cases(False), *bk.AUTO_CASES] if c.name == case)  # the auto tune's mixed steps too
+    c = next(c for c in bk.all_cases(False) if c.name == case)
     mods, infos = bk.build_case(c)
     order = order if order in infos else "unsorted"
     fns = [m.fns(f"{backend} {order}")[0] for m in mods.values()]
