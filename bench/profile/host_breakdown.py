@@ -1,16 +1,19 @@
 """Where the eager host time of one `apply_lora` call goes (issue 19's target: <= 25 µs per call on the GPU).
 
-One decode module (qkv, r16, batch 1, bf16), as bench_kernels' eager host measurement: the median host µs of
-the whole call per backend, then of its parts on the Triton path (validation signature, backend call without
+One decode module (qkv, batch 1, bf16; rank 16 unless --rank), as bench_kernels' eager host measurement: the median
+host µs of the whole call per backend, then of its parts on the Triton path (validation signature, backend call without
 validation, the workspace allocation, one cached kernel launch), then the same call right after a cuBLAS GEMM as
 an engine makes it (a model's eager step measured ~2x the standalone cost there), with programmatic dependent
-launch on and off, then a cProfile of 2000 Triton calls (top functions by own time).
+launch on and off, then a cProfile of 2000 Triton calls (top functions by own time). --settle drains the GPU after
+each timed call (untimed), as bench_kernels does: a call whose kernels outlast its host work would otherwise time the
+full launch queue, not the host.
 
-    python bench/profile/host_breakdown.py
+    python bench/profile/host_breakdown.py [--rank 64] [--settle]
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import sys
@@ -28,8 +31,13 @@ from lora_kernels.backends.triton import plan  # noqa: E402
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--settle", action="store_true", help="drain the GPU after each timed call (untimed)")
+    args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: TRITON_INTERPRET=1 smoke run
-    S, R, K, widths = 3, 16, 4096, (4096, 1024, 1024)
+    settle = torch.cuda.synchronize if args.settle and dev.type == "cuda" else None
+    S, R, K, widths = 3, args.rank, 4096, (4096, 1024, 1024)
     offs = (0, 4096, 5120, 6144)
     slots = 8
     builder = lk.BatchInfoBuilder(1, 1, torch.full((slots,), R, dtype=torch.int32, device=dev),
@@ -62,7 +70,8 @@ def main():
     for name, fn in parts.items():
         if name == "apply_lora cuda" and (not lk.HAS_CUDA_EXT or dev.type != "cuda"):
             continue
-        r = common.time_host_us(fn, warmup=200, reps=3000) if dev.type == "cuda" else common.time_host_us(fn, 1, 3)
+        r = (common.time_host_us(fn, warmup=200, reps=3000, settle=settle) if dev.type == "cuda"
+             else common.time_host_us(fn, 1, 3))
         print(f"{name:32s} {r['median_us']:7.2f} µs (p99 {r['p99_us']:.2f})")
     if dev.type == "cuda":
         import os
@@ -70,9 +79,9 @@ def main():
         os.environ["LORA_KERNELS_PDL"] = "0"  # read when plans are made
         plan.clear_cache()
         fn = parts["GEMM, then apply_lora triton"]
-        r = common.time_host_us(fn, warmup=200, reps=3000)
+        r = common.time_host_us(fn, warmup=200, reps=3000, settle=settle)
         print(f"{'GEMM, then apply_lora, PDL off':32s} {r['median_us']:7.2f} µs (p99 {r['p99_us']:.2f})")
-        r = common.time_host_us(parts["apply_lora triton"], warmup=200, reps=3000)
+        r = common.time_host_us(parts["apply_lora triton"], warmup=200, reps=3000, settle=settle)
         print(f"{'apply_lora triton, PDL off':32s} {r['median_us']:7.2f} µs (p99 {r['p99_us']:.2f})")
         del os.environ["LORA_KERNELS_PDL"]
         plan.clear_cache()
