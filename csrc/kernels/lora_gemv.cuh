@@ -13,10 +13,14 @@
 // warps takes one eighth of the item's K for both n8 groups, with 16-byte loads that feed mma.sync directly (each
 // lane loads 8 consecutive k of one weight row and of x rows g and g + 8; A and B fragments use the same k
 // permutation, so the dot products are exact sums over k), and the CTA adds the eighths in order. A CTA (a team,
-// below) counts itself on sync[0] once its shrink items are written (release); a W item's epilogue waits once for the
-// count to reach the grid (every CTA is resident and does its shrink items before any wait, so this never deadlocks),
-// then adds the LoRA and writes y. The last CTA out resets sync for the next launch (which reads it only past
-// griddep_wait or in stream order).
+// below) counts itself on sync[0] once its shrink items are written (a release add after the team's barrier: no
+// fence); a W item's epilogue waits once for the count to reach the grid (an acquire load, then the barrier; every CTA
+// is resident and does its shrink items before any wait, so this never deadlocks), then adds the LoRA and writes y.
+// Each team counts itself on sync[1] once it has seen the full count, and the last to do so resets both words for the
+// next launch (which reads them only past griddep_wait or in stream order). The fences of an earlier form (a
+// __threadfence before the count and after the wait; the count on sync[1] at each team's exit) cost, H100, layer µs
+// over the base layer (bench_layer, sorted, two alternating rounds): r16 bs16 +11.4-11.6% against +10.5%, r64 bs16
+// +58.1-58.3% against +54.3-54.5%, bs1 -0.4 / +0.1% against -1.5 / -1.1%.
 // Past 8 rows (HI) at small ranks, x (16 rows x K, K up to 5120 in 227 KB) is staged once per SM in shared
 // memory (XS): one CTA of two teams of 8 warps an SM, each team walking items as a CTA does without XS. x read again
 // through L1 by every item cost its L2 traffic twice W's (ncu, gate_up: 377 MB read from L2 against 264 MB).
@@ -64,7 +68,7 @@ struct GemvArgs {
   int v_items;                         // 16-column blocks of v: cdiv(N, kGemvCols)
   int splits;                          // K ranges of a shrink (fp32 planes of v, summed in order): shape-only
   int items;                           // W items: cdiv(out_total, kGemvCols)
-  int* sync;                           // [2]: CTAs past their shrink items, CTAs out
+  int* sync;                           // [2]: teams past their shrink items, teams that have seen them all
 };
 
 using GemvRed = float[kGemvWarps][kGemvRows][kGemvCols];
@@ -73,6 +77,7 @@ struct alignas(16) GemvSmem {
   float vs[kGemvRows][kGemvVCols];              // v of every row (staged once per CTA)
   int slot[kGemvRows], rank[kGemvRows];
   float scale[kGemvRows];
+  int before;  // teams counted on sync[1] before this one (thread 0's, read at the team's end)
 };
 
 // Weights (W, A, B): read once per launch, never written by a kernel: not kept in L1, which holds x for the next
@@ -228,9 +233,10 @@ __device__ __forceinline__ void gemv_rows(GemvSmem& sm, const GemvArgs& p) {
   gemv_sync<TEAMS>();
 }
 
-// Waits until every team of the grid has written its shrink items (one thread spins; the barrier orders the rest).
+// Waits until every team of the grid has written its shrink items (one thread spins, acquire; the barrier orders the
+// rest), then counts this team on sync[1].
 template <int TEAMS>
-__device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready) {
+__device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready, GemvSmem& sm) {
   if (ready) return;
   if (gemv_tid() == 0) {
     const int teams = static_cast<int>(gridDim.x) * TEAMS;
@@ -239,7 +245,7 @@ __device__ __forceinline__ void gemv_wait_shrink(const GemvArgs& p, bool& ready)
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(p.sync) : "memory");
       if (seen < teams) __nanosleep(64);
     } while (seen < teams);
-    __threadfence();
+    sm.before = atomicAdd(p.sync + 1, 1);  // its result is read at the team's end, off the item's path
   }
   gemv_sync<TEAMS>();
   ready = true;
@@ -301,7 +307,7 @@ __device__ __forceinline__ void gemv_item(const T* x, int64_t xstride, const T* 
 #pragma unroll
   for (int c8 = 0; c8 < kB8; ++c8) b[c8] = ld_w16(brow + 8 * c8, 8 * c8 < rank);
   if (!ready) {  // v of every row, once per CTA: the shrink items' output
-    gemv_wait_shrink<TEAMS>(p, ready);
+    gemv_wait_shrink<TEAMS>(p, ready, sm);
     gemv_stage_v(sm, p, v);
   }
   gemv_sync<TEAMS>();  // red (and vs) complete
@@ -323,14 +329,12 @@ __device__ __forceinline__ void gemv_item(const T* x, int64_t xstride, const T* 
   if (!XS) gemv_sync<TEAMS>();  // red is free for the next item
 }
 
-// This team's shrink items are written: count it (release: the fence orders its v stores before the count).
+// This team's shrink items are written: count it. The release add is cumulative over the team's v stores, which the
+// barrier ordered before it.
 template <int TEAMS>
 __device__ __forceinline__ void gemv_arrive(const GemvArgs& p) {
   gemv_sync<TEAMS>();
-  if (gemv_tid() == 0) {
-    __threadfence();
-    atomicAdd(p.sync, 1);
-  }
+  if (gemv_tid() == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p.sync) : "memory");
 }
 
 // Issues the copies of x rows 0 .. rows-1 into shared memory (row stride K + kGemvXsPad), by every thread of the CTA.
@@ -386,8 +390,9 @@ __global__ void __launch_bounds__(kGemvThreads * (XS ? 2 : 1), XS ? 1 : 2)
     gemv_item<T, HI, XS>(XS ? xs : x, XS ? p.K + kGemvXsPad : p.K, w, bias, lora_b, v, y, sm, red, p, item,
                          ready);
   }
-  if (gemv_tid() == 0 && atomicAdd(p.sync + 1, 1) == teams - 1) {
-    atomicExch(p.sync, 0);  // every other team is out: nobody reads the words until the next launch
+  gemv_wait_shrink<TEAMS>(p, ready, sm);  // a team without W items: it too sees the full count before counting
+  if (gemv_tid() == 0 && sm.before == teams - 1) {
+    atomicExch(p.sync, 0);  // every team has seen the full count: nobody reads the words until the next launch
     atomicExch(p.sync + 1, 0);
   }
 }
