@@ -9,8 +9,8 @@
 #
 #   scripts/sanitize.sh                                   # memcheck + racecheck over the loader tests
 #   scripts/sanitize.sh kernels                           # all four tools over the cuda kernels' small-shape
-#                                                         # GPU tests, the one-launch kernel's, the register
-#                                                         # and tall expands' at in_dim 1024 (split planes
+#                                                         # GPU tests, the one-launch kernel's, the flat,
+#                                                         # register and tall expands' at in_dim 1024 (split planes
 #                                                         # summed first), the streaming expand's (issue 21;
 #                                                         # at R 32 / 64 too, against the 16-row kernel's
 #                                                         # 4-warp CTAs),
@@ -41,7 +41,7 @@ if [ $# -gt 0 ] && [ "$1" = "kernels" ]; then
     tests/test_cuda_shrink_shapes.py tests/test_lora_gemv.py -k "small or (two_launches and qkv-16-1) or \
 (tall_expand and bf16 and filler_last and k1024) or (one_row and bf16) or (shrink_shapes and bf16 and qkv_r16) or \
 (wgmma_stage_forms and 6) or (one_row_tiles and bf16 and k1024) or (chunked_prefill and qkv_r16) or \
-(many_items and bf16 and r136 and permuted) or \
+(many_items and bf16 and r136 and permuted) or (permuted_rows and qkv_r16) or \
 (lora_gemv and (graph_replay or (dtype0 and (one_row or permuted_padded))))"
 fi
 if [ $# -gt 0 ] && [ "$1" != "--" ] && [ "${1#-}" = "$1" ] && [ "${1#tests}" = "$1" ]; then tools=$1; shift; fi

@@ -1,6 +1,6 @@
 """The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): from 1024 rows of out, where the work list
-is dense and has 64 folded items or more (prefill_plan), the register expand (R <= 64) or the tall expand (items of
-four work-list tiles), the streaming warps (R <= 16) from 2 rows (R <= 64
+is dense and has 64 folded items or more (prefill_plan), the flat expand (R <= 16), the register expand (R <= 64) or
+the tall expand (items of four work-list tiles), the streaming warps (R <= 16) from 2 rows (R <= 64
 where every tile is one row, from 128 rows), the 16-row kernel (8-warp CTAs at one row, else 4) at one row and beyond
 R = 16. Every row has the same bits under each (batch invariance across the switches), right against float64, rows
 without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool rank and several rank
@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the
 
 TALL_ROWS = 1024  # kTallExpandRows (csrc/ops/sgmv_plan.h)
 REGS_MAX_R = 64  # kRegsMaxR (csrc/kernels/sgmv_expand_regs.cuh)
+FLAT_MAX_R = 16  # kFlatMaxR (csrc/kernels/sgmv_expand_flat.cuh)
 SEGMENTS = ([5, 17, 33, 1, 0, 100, 64, 3, 16, 48], [0, 1, 2, -1, 3, 1, 1, 4, 0, 2])  # 287 rows: tiles of mixed slots
 SHAPES = {  # R, slice widths, pool ranks (some below R, several 64-wide rank slabs where R > 64)
     "qkv_r16": (16, (4096, 1024, 1024), [16, 8, 16, 3, 16, 12]),
@@ -103,7 +104,7 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
     lk.apply_lora(x, out_s, a, b, info_s, offs, backend="cuda")
     names = launched_sgmv_kernels(lambda: lk.apply_lora(big[2], out_b, a, b, info_b, offs, backend="cuda"))
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
-        kernel = "expand_regs" if R <= REGS_MAX_R else "expand_tall"
+        kernel = "expand_flat" if R <= FLAT_MAX_R else ("expand_regs" if R <= REGS_MAX_R else "expand_tall")
         assert any(kernel in k for k in names), names
     assert torch.equal(out_b[mine], out_s)
     for vd in (torch.float32, dtype):  # v in fp32 and in the adapters' dtype: both kernels' V instantiations
@@ -119,10 +120,10 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
     assert rel_err(out_b, ref) <= TOL[dtype]
 
 
-def test_register_expand_needs_a_16_byte_aligned_v():
+def test_prefill_expands_need_a_16_byte_aligned_v():
     """sgmv_expand at 4100 rows on a bf16 v that starts 8 bytes past a 16-byte boundary (contiguous, 4-element
-    aligned): the tall kernel takes it (the register expand copies v in 16-byte chunks), with the register expand's
-    bits on the aligned copy of the same v."""
+    aligned): the tall kernel takes it (the flat and register expands copy v in 16-byte chunks), with the flat
+    expand's bits (R = 16) on the aligned copy of the same v."""
     R, widths, ranks = SHAPES["qkv_r16"]
     g = torch.Generator().manual_seed(77)
     a, b, offs, scal, x, base, v = _problem(g, torch.bfloat16, "qkv_r16")
@@ -138,8 +139,37 @@ def test_register_expand_needs_a_16_byte_aligned_v():
     n16 = launched_sgmv_kernels(lambda: lk.sgmv_expand(v16, b, info, offs, e16, backend="cuda"))
     n8 = launched_sgmv_kernels(lambda: lk.sgmv_expand(v8, b, info, offs, e8, backend="cuda"))
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
-        assert any("expand_regs" in k for k in n16) and any("expand_tall" in k for k in n8), (n16, n8)
+        assert any("expand_flat" in k for k in n16) and any("expand_tall" in k for k in n8), (n16, n8)
     assert torch.equal(e8, e16) and not torch.equal(e16, out0)
+
+
+@pytest.mark.parametrize("shape", ["qkv_r16", "gate_up_r64"])
+def test_prefill_expands_take_permuted_rows_with_the_same_bits(shape):
+    """The 4100-row segment and the rows of SEGMENTS in a permuted batch (segmented row i at physical row perm[i], as a
+    sorted batch has them): every row torch.equal to the batch in order, for the flat (R = 16) and register (R = 64)
+    expands, whose out rows are read and written through perm."""
+    R, widths, ranks = SHAPES[shape]
+    g = torch.Generator().manual_seed(131 + list(SHAPES).index(shape))
+    a, b, offs, scal, x, base, _ = _problem(g, torch.bfloat16, shape)
+    fill = 4100
+    xs = torch.cat([torch.randn(fill, x.shape[1], generator=g).to(x.dtype).cuda(), x])
+    bases = torch.cat([torch.randn(fill, offs[-1], generator=g).to(base.dtype).cuda(), base])
+    seg_lens, slots = [fill] + SEGMENTS[0], [5] + SEGMENTS[1]
+    n = xs.shape[0]
+    perm = torch.randperm(n, generator=g)
+    ranks_t = torch.tensor(ranks, dtype=torch.int32, device="cuda")
+    in_order = make_info(seg_lens, slots, None, ranks_t, scal, "cuda")
+    permuted = make_info(seg_lens, slots, perm.numpy(), ranks_t, scal, "cuda")
+    pc = perm.cuda()
+    xp, bp = torch.empty_like(xs), torch.empty_like(bases)
+    xp[pc], bp[pc] = xs, bases
+    out, outp = bases.clone(), bp.clone()
+    lk.apply_lora(xs, out, a, b, in_order, offs, backend="cuda")
+    names = launched_sgmv_kernels(lambda: lk.apply_lora(xp, outp, a, b, permuted, offs, backend="cuda"))
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):
+        kernel = "expand_flat" if R <= FLAT_MAX_R else "expand_regs"
+        assert any(kernel in k for k in names), names
+    assert torch.equal(outp[pc], out) and not torch.equal(out, bases)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -168,9 +198,9 @@ def test_chunked_prefill_step_takes_the_decode_plans_with_the_same_bits(shape):
     names_c = launched_sgmv_kernels(lambda: lk.apply_lora(x[:chunk], out_c, a, b, alone, offs, backend="cuda"))
     lk.sgmv_expand(v[:chunk], b, alone, offs, e_c, backend="cuda")
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
-        prefill = ("expand_regs", "expand_tall", "wgmma")
+        prefill = ("expand_regs", "expand_flat", "expand_tall", "wgmma")
         assert not any(p in k for k in names for p in prefill), names
-        assert any(p in k for k in names_c for p in prefill[:2]), names_c
+        assert any(p in k for k in names_c for p in prefill[:3]), names_c
     assert torch.equal(out[:chunk], out_c) and torch.equal(e[:chunk], e_c)
     assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
     for i in (chunk, chunk + 1, chunk + 31, n - 1):

@@ -58,9 +58,9 @@ __device__ __forceinline__ int num_tiles(const WorkArgs& w) {
   return n < w.max_tiles ? (n > 0 ? n : 0) : w.max_tiles;
 }
 
-// Tile t of the list; a slot outside [0, num_slots) (which the builder rejects) counts as no LoRA, and
-// a rank above R is clamped, so no kernel ever indexes out of bounds with bad metadata.
-__device__ __forceinline__ TileInfo load_tile(const WorkArgs& w, int t, int R) {
+// Tile t of the list without its rank (rank -1): its slot (-1 outside [0, num_slots), which the builder rejects) and
+// rows. Enough to address the tile's rows before the rank arrives (tile_rank).
+__device__ __forceinline__ TileInfo load_tile_rows(const WorkArgs& w, int t) {
   const int m = w.max_tiles;
   TileInfo ti;
   ti.slot = w.work[1 + t];
@@ -68,13 +68,26 @@ __device__ __forceinline__ TileInfo load_tile(const WorkArgs& w, int t, int R) {
   const int end = w.work[1 + 2 * m + t];
   const int rows = end - ti.row0;
   ti.rows = rows < 0 ? 0 : (rows < kTileM ? rows : kTileM);
+  ti.rank = -1;
+  if (ti.slot < 0 || ti.slot >= w.num_slots) ti.slot = -1;
+  return ti;
+}
+
+// The tile's rank, min(lora_ranks[slot], R), clamped to [0, R]; slot -1 where it is 0 (no LoRA).
+__device__ __forceinline__ TileInfo tile_rank(const WorkArgs& w, TileInfo ti, int R) {
   ti.rank = 0;
-  if (ti.slot >= 0 && ti.slot < w.num_slots) {
+  if (ti.slot >= 0) {
     const int r = w.lora_ranks[ti.slot];
     ti.rank = r < R ? (r > 0 ? r : 0) : R;
   }
   if (ti.rank == 0) ti.slot = -1;
   return ti;
+}
+
+// Tile t of the list; a slot outside [0, num_slots) (which the builder rejects) counts as no LoRA, and
+// a rank above R is clamped, so no kernel ever indexes out of bounds with bad metadata.
+__device__ __forceinline__ TileInfo load_tile(const WorkArgs& w, int t, int R) {
+  return tile_rank(w, load_tile_rows(w, t), R);
 }
 
 // Physical row of row i (< ti.rows) of the tile, or -1 if it lies outside x (bad metadata).

@@ -16,6 +16,10 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
     auto* op = static_cast<T*>(out.data_ptr());
     if constexpr (sizeof(T) == 2) {
       switch (plan.kernel) {
+        case ExpandKernel::flat:
+          TORCH_CHECK(p.splits == 1, "sgmv_expand: the flat expand reads one plane of v, got ", p.splits);
+          C10_CUDA_CHECK((launch_expand_flat<T, V>(vp, bp, op, p, cfg)));
+          return;
         case ExpandKernel::regs:
           TORCH_CHECK(p.splits == 1, "sgmv_expand: the register expand reads one plane of v, got ", p.splits);
           C10_CUDA_CHECK((launch_expand_regs<T, V>(vp, bp, op, p, cfg)));

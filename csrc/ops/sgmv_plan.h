@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/sgmv_expand_mma.cuh"
+#include "kernels/sgmv_expand_flat.cuh"
 #include "kernels/sgmv_expand_regs.cuh"
 #include "kernels/sgmv_expand_stream.cuh"
 #include "kernels/sgmv_expand_tall.cuh"
@@ -37,15 +38,17 @@ constexpr int64_t kPrefillRows = 1024;
 // 64x1 uniform measured 54.6 -> 57.1 from 32 rows. Not for the 16-row kernel: r64 256x1 uniform 187 -> 190.
 constexpr int64_t kReduceFirstRowsStream = 128;
 // The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
-// choice keeps batch invariance): where prefill_plan holds from kTallExpandRows rows, warps holding B in registers
-// (kernels/sgmv_expand_regs.cuh) up to R = kRegsMaxR where v is 16-byte aligned, else 64-row items
+// choice keeps batch invariance): where prefill_plan holds from kTallExpandRows rows and v is 16-byte aligned, one
+// short CTA per 64-row x 128-column item up to R = kFlatMaxR (kernels/sgmv_expand_flat.cuh), warps holding B in
+// registers (kernels/sgmv_expand_regs.cuh) up to R = kRegsMaxR, else 64-row items
 // (kernels/sgmv_expand_tall.cuh: the 16-row kernel is issue-bound there); below, from 2 rows and up to
 // R = kStreamMaxR (kStreamWideMaxR for one-row tiles, below), warps streaming 16-row items
 // (kernels/sgmv_expand_stream.cuh); else the 16-row kernel
 // (kernels/sgmv_expand_mma.cuh). The header of each says where it measured faster. The tall grid is one CTA per item
 // up to kTallCtasPerSm per SM (CTAs that come and go overlap one item's stores with the next one's loads; a
 // persistent double-buffered form measured slower, and 256 CTAs 2% slower than 64). The register expand's grid is
-// what the SMs hold at once (its launcher asks the occupancy API; kRegsCtasPerSm bounds it).
+// what the SMs hold at once (its launcher asks the occupancy API; kRegsCtasPerSm bounds it); the flat grid is every
+// item of the capacity.
 constexpr int64_t kTallExpandRows = 1024;
 static_assert(kTallExpandRows >= kPrefillRows, "the register expand reads one plane: the shrink folds where it runs");
 // The streaming warps also take R up to kStreamWideMaxR (items of 2 or 4 k16 steps) where every tile is one row,
@@ -62,6 +65,7 @@ constexpr int64_t kStreamWideMaxR = 64, kStreamWideRows = 128;
 static_assert(kStreamWideRows >= kReduceFirstRowsStream, "the wide streaming warps read one plane of v");
 constexpr int kTallCtasPerSm = 64;
 constexpr int kRegsCtasPerSm = 8;
+constexpr int kFlatCtasPerSm = 1 << 12;  // bounds the grid; past it (batches of ~10^5 rows and more) CTAs loop
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -172,7 +176,7 @@ inline int64_t shrink_items_upper(const ShrinkPlan& s, int64_t max_tiles) {
   return cdiv(max_tiles, s.tiles) * s.n_tiles * (s.fold ? 1 : s.splits);
 }
 
-enum class ExpandKernel { simt, mma, stream, tall, regs };
+enum class ExpandKernel { simt, mma, stream, tall, regs, flat };
 
 struct ExpandPlan {
   ExpandKernel kernel;
@@ -202,6 +206,8 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   };
   if (!mma)
     pick_kernel(ExpandKernel::simt, kSimtExpandBN, 4);
+  else if (prefill && R <= kFlatMaxR && v16)
+    pick_kernel(ExpandKernel::flat, kFlatCols, kFlatCtasPerSm);
   else if (prefill && R <= kRegsMaxR && v16)
     pick_kernel(ExpandKernel::regs, kRegsCols, kRegsCtasPerSm);
   else if (prefill)
@@ -223,6 +229,7 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
 // tiles; a stream or register CTA takes kStreamWarps / kRegsWarps items at once).
 inline int64_t expand_items_upper(const ExpandPlan& e, int64_t max_tiles) {
   if (e.kernel == ExpandKernel::tall) return cdiv(max_tiles, kTallTiles) * e.n_tiles;
+  if (e.kernel == ExpandKernel::flat) return cdiv(max_tiles, kFlatTiles) * e.n_tiles;
   if (e.kernel == ExpandKernel::regs) return cdiv(max_tiles * e.n_tiles, kRegsWarps);
   if (e.kernel == ExpandKernel::stream) return cdiv(max_tiles * e.n_tiles, kStreamWarps);
   return max_tiles * e.n_tiles;
