@@ -71,7 +71,7 @@ __device__ __forceinline__ void flat_fill_v(unsigned char* dst, const V* src, in
 
 // B of `slot` for the item's kFlatCols columns from n0, k 0..15 (0 past the rank, the slice end n_end, and for slot
 // -1): column c on row flat_b_row(c) of its warp's 32 rows. Two chunks a lane, a column's two chunks by neighbouring
-// lanes (a warp copies 512 contiguous bytes; a column a lane, half of every sector a copy: r16 prefill 702 -> 729 µs).
+// lanes (a warp copies 512 contiguous bytes, whole sectors).
 template <typename T>
 __device__ __forceinline__ void flat_fill_b(unsigned char* bs, const T* b, const ExpandArgs& p, int slot, int rank,
                                             int n0, int n_end) {
@@ -84,37 +84,118 @@ __device__ __forceinline__ void flat_fill_b(unsigned char* bs, const T* b, const
   }
 }
 
-// One warp's tile q: the MMAs of its 16 rows x 32 columns (one k16 step), then out = fma(scale, acc, out) from the
-// staged rows, stored as 16-byte chunks.
+// Tile q of the item, a warp's 16 rows x 32 columns: the MMAs (one k16 step), then out = fma(scale, acc, out) from the
+// staged rows, stored as 16-byte chunks (the lane's: rows orow, columns nw .. + 7).
 template <typename T>
 __device__ __forceinline__ void flat_tile(const unsigned char* bs, const unsigned char* vs, const unsigned char* os,
-                                          T* out, const ExpandArgs& p, int q, float scale, const int (&orow)[2],
-                                          bool col_ok, int warp, int lane) {
+                                          T* out, const ExpandArgs& p, int q, float scale, const int (&orow)[2], int nw,
+                                          int n_end, int ocol) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
   WarpAcc<1, 4> acc;
   zero_acc(acc);
-  uint32_t bf[4][2], a[4];
+  {
+    uint32_t bf[4][2], a[4];
 #pragma unroll
-  for (int np = 0; np < 2; ++np) {  // n8 tiles 2 np, 2 np + 1: k halves 0, 1 each
-    const int m = lane >> 3;
-    uint32_t r[4];
-    ldmatrix_x4(r, bs + (32 * warp + 8 * (2 * np + (m >> 1)) + (lane & 7)) * kFlatLd + 16 * (m & 1));
-    bf[2 * np][0] = r[0];
-    bf[2 * np][1] = r[1];
-    bf[2 * np + 1][0] = r[2];
-    bf[2 * np + 1][1] = r[3];
+    for (int np = 0; np < 2; ++np) {  // n8 tiles 2 np, 2 np + 1: k halves 0, 1 each
+      const int m = lane >> 3;
+      uint32_t r[4];
+      ldmatrix_x4(r, bs + (32 * warp + 8 * (2 * np + (m >> 1)) + (lane & 7)) * kFlatLd + 16 * (m & 1));
+      bf[2 * np][0] = r[0];
+      bf[2 * np][1] = r[1];
+      bf[2 * np + 1][0] = r[2];
+      bf[2 * np + 1][1] = r[3];
+    }
+    ldmatrix_x4(a, vs + (q * kTileM + (lane & 15)) * kFlatLd + 16 * (lane >> 4));
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) mma_16816<T>(acc[0][nt], a, bf[nt][0], bf[nt][1]);
   }
-  ldmatrix_x4(a, vs + (q * kTileM + (lane & 15)) * kFlatLd + 16 * (lane >> 4));
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) mma_16816<T>(acc[0][nt], a, bf[nt][0], bf[nt][1]);
-  const int g = lane >> 2, t = lane & 3, col = 32 * warp + 8 * t;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    if (orow[h] < 0 || !col_ok) continue;
-    Pack<T, 8> pk = *reinterpret_cast<const Pack<T, 8>*>(os + (q * kTileM + g + 8 * h) * kFlatOutLd + 2 * col);
+    if (orow[h] < 0 || nw >= n_end) continue;
+    Pack<T, 8> pk = *reinterpret_cast<const Pack<T, 8>*>(os + (q * kTileM + g + 8 * h) * kFlatOutLd + ocol);
 #pragma unroll
     for (int e = 0; e < 8; ++e)  // column 8 t + e: n8 tile e / 2, accumulator 2 h + e % 2
       pk.v[e] = from_float<T>(expand_out(to_float(pk.v[e]), scale, acc[0][e >> 1][2 * h + (e & 1)]));
-    *reinterpret_cast<Pack<T, 8>*>(out + static_cast<int64_t>(orow[h]) * p.out_total + col) = pk;
+    *reinterpret_cast<Pack<T, 8>*>(out + static_cast<int64_t>(orow[h]) * p.out_total + nw) = pk;
+  }
+}
+
+// The lane's v chunk (group row threadIdx.x / 2, elements 8 (threadIdx.x % 2) .. + 7): its source, live elements and
+// place in shared memory.
+template <typename V>
+__device__ __forceinline__ void flat_v_task(const V* v, const ExpandArgs& p, const TileInfo (&ti)[kFlatTiles], int sl,
+                                            const V*& src, int& live, int& dst) {
+  const int i = static_cast<int>(threadIdx.x), r = i / 2, k0 = 8 * (i % 2);
+  TileInfo tq = ti[0];
+#pragma unroll
+  for (int k = 1; k < kFlatTiles; ++k)
+    if (r >= k * kTileM) tq = ti[k];
+  const int row = tq.slot >= 0 && i < kFlatRows * 2 ? tile_row(p.w, tq, r % kTileM) : -1;
+  live = i < kFlatRows * 2 ? (row >= 0 ? tq.rank - k0 : 0) : -kFlatCols;  // -kFlatCols: no chunk (never here)
+  src = live > 0 ? v + static_cast<int64_t>(row) * p.N + sl * p.R + k0 : v;
+  dst = r * kFlatLd + 2 * k0;
+}
+
+// One item: its tiles' rows, the out rows' copy by lines (16 lanes a row), then the ranks, B and v; then tile by tile
+// (one tile's accumulators live at a time). The order of these steps is the measured one (its SASS is the A/B form's,
+// instruction for instruction): the same steps with the line rows found after griddep_wait, the v chunk without its
+// bound checks and the tile's work in a function (72 registers against 77) measured 729 µs at r16 prefill (e6cf823,
+// B copied a column a lane), 721-724 with B by whole sectors (29aa84c), against 703-705 for this form (H100,
+// bench_kernels; the last two in one A/B call, bit-equal).
+template <typename T, typename V>
+__device__ __forceinline__ void flat_item(const V* v, const T* b, T* out, const ExpandArgs& p, unsigned char* smem,
+                                          int item, int tiles, bool& waited) {
+  unsigned char* const bs = smem;                      // [kFlatCols][kFlatLd], fragment order
+  unsigned char* const vs = bs + kFlatCols * kFlatLd;  // [kFlatRows][kFlatLd]
+  unsigned char* const os = vs + kFlatRows * kFlatLd;  // [kFlatRows][kFlatOutLd]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int ct = item % p.n_tiles, t0 = item / p.n_tiles * kFlatTiles, sl = slice_of(p, ct);
+  const int n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kFlatCols, n_end = pick(p.offsets, sl + 1);
+  TileInfo ti[kFlatTiles];  // rows first: the out copy starts before the ranks arrive
+#pragma unroll
+  for (int q = 0; q < kFlatTiles; ++q) ti[q] = t0 + q >= tiles ? TileInfo{-1, 0, 0, 0} : load_tile_rows(p.w, t0 + q);
+  int orow[kFlatTiles][2];  // physical rows of the lane's chunks in tile q: rows g and g + 8 (-1: none)
+#pragma unroll
+  for (int q = 0; q < kFlatTiles; ++q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) orow[q][h] = ti[q].slot >= 0 ? tile_row(p.w, ti[q], g + 8 * h) : -1;
+  const int nw = n0 + 32 * warp + 8 * t, ocol = 2 * (32 * warp + 8 * t);  // the lane's chunk
+  // Line copies: group row 16 (j / 2) + lr + 8 (j % 2), chunk lc, for j < kFlatLines.
+  const int lc = threadIdx.x % kFlatLineLanes, lr = threadIdx.x / kFlatLineLanes;
+  int lrow[kFlatLines];
+#pragma unroll
+  for (int j = 0; j < kFlatLines; ++j)
+    lrow[j] = ti[j >> 1].slot >= 0 ? tile_row(p.w, ti[j >> 1], lr + 8 * (j & 1)) : -1;
+  wait_once(waited);  // out and v are written by earlier kernels
+#pragma unroll
+  for (int j = 0; j < kFlatLines; ++j)
+    if (lrow[j] >= 0 && n0 + 8 * lc < n_end)
+      cp_async16(os + (16 * (j >> 1) + lr + 8 * (j & 1)) * kFlatOutLd + 16 * lc,
+                 out + static_cast<int64_t>(lrow[j]) * p.out_total + n0 + 8 * lc, 16);
+#pragma unroll
+  for (int q = 0; q < kFlatTiles; ++q) ti[q] = tile_rank(p.w, ti[q], p.R);
+  flat_fill_b<T>(bs, b, p, ti[0].slot, ti[0].rank, n0, n_end);
+  float scale[kFlatTiles];
+#pragma unroll
+  for (int q = 0; q < kFlatTiles; ++q) scale[q] = ti[q].slot >= 0 ? p.scalings[ti[q].slot] : 0.f;
+  const V* vsrc;
+  int vlive, vdst;
+  flat_v_task(v, p, ti, sl, vsrc, vlive, vdst);
+  if (vlive > -kFlatCols) flat_fill_v<T>(vs + vdst, vsrc, vlive);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < kFlatTiles; ++q) {
+    if (q > 0 && ti[q].slot != ti[q - 1].slot && ti[q].slot >= 0) {  // CTA-uniform: another slot's B
+      __syncthreads();
+      flat_fill_b<T>(bs, b, p, ti[q].slot, ti[q].rank, n0, n_end);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    if (ti[q].slot < 0) continue;
+    flat_tile<T>(bs, vs, os, out, p, q, scale[q], orow[q], nw, n_end, ocol);
   }
 }
 
@@ -122,67 +203,11 @@ template <typename T, typename V>
 __global__ void __launch_bounds__(kFlatThreads, kFlatMinCtas)
     sgmv_expand_flat_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* const bs = smem_raw;                      // [kFlatCols][kFlatLd], fragment order
-  unsigned char* const vs = bs + kFlatCols * kFlatLd;      // [kFlatRows][kFlatLd]
-  unsigned char* const os = vs + kFlatRows * kFlatLd;      // [kFlatRows][kFlatOutLd]
   griddep_launch_dependents();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int lc = threadIdx.x % kFlatLineLanes, lr = threadIdx.x / kFlatLineLanes;  // line copies: chunk, first row
   const int tiles = num_tiles(p.w), items = (tiles + kFlatTiles - 1) / kFlatTiles * p.n_tiles;
   bool waited = false;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int ct = item % p.n_tiles, t0 = item / p.n_tiles * kFlatTiles, sl = slice_of(p, ct);
-    const int n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kFlatCols, n_end = pick(p.offsets, sl + 1);
-    TileInfo ti[kFlatTiles];  // rows first: the out copy starts before the ranks arrive
-#pragma unroll
-    for (int q = 0; q < kFlatTiles; ++q) ti[q] = t0 + q < tiles ? load_tile_rows(p.w, t0 + q) : TileInfo{-1, 0, 0, 0};
-    int orow[kFlatTiles][2];  // physical rows of the lane's chunks in tile q: rows g and g + 8 (-1: none)
-#pragma unroll
-    for (int q = 0; q < kFlatTiles; ++q)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) orow[q][h] = ti[q].slot >= 0 ? tile_row(p.w, ti[q], g + 8 * h) : -1;
-    wait_once(waited);  // out and v are written by earlier kernels
-#pragma unroll
-    for (int j = 0; j < kFlatLines; ++j) {  // group row 16 (j / 2) + lr + 8 (j % 2), chunk lc
-      const int q = j >> 1, r = lr + 8 * (j & 1);
-      const int row = ti[q].slot >= 0 ? tile_row(p.w, ti[q], r) : -1;
-      if (row >= 0 && n0 + 8 * lc < n_end)
-        cp_async16(os + (q * kTileM + r) * kFlatOutLd + 16 * lc,
-                   out + static_cast<int64_t>(row) * p.out_total + n0 + 8 * lc, 16);
-    }
-    float scale[kFlatTiles];
-#pragma unroll
-    for (int q = 0; q < kFlatTiles; ++q) {
-      ti[q] = tile_rank(p.w, ti[q], p.R);
-      scale[q] = ti[q].slot >= 0 ? p.scalings[ti[q].slot] : 0.f;
-    }
-    flat_fill_b<T>(bs, b, p, ti[0].slot, ti[0].rank, n0, n_end);
-    {  // v: row threadIdx.x / 2 of the group, elements 8 (threadIdx.x % 2) .. + 7
-      const int r = threadIdx.x >> 1, k0 = 8 * (threadIdx.x & 1);
-      TileInfo tq = ti[0];
-#pragma unroll
-      for (int k = 1; k < kFlatTiles; ++k)
-        if (r >= k * kTileM) tq = ti[k];
-      const int row = tq.slot >= 0 ? tile_row(p.w, tq, r % kTileM) : -1;
-      const int live = row >= 0 ? tq.rank - k0 : 0;
-      flat_fill_v<T>(vs + r * kFlatLd + 2 * k0, live > 0 ? v + static_cast<int64_t>(row) * p.N + sl * p.R + k0 : v,
-                     live);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    const bool col_ok = n0 + 32 * warp + 8 * t < n_end;
-#pragma unroll
-    for (int q = 0; q < kFlatTiles; ++q) {  // tile by tile: one tile's accumulators live at a time
-      if (q > 0 && ti[q].slot != ti[q - 1].slot && ti[q].slot >= 0) {  // CTA-uniform: another slot's B
-        __syncthreads();
-        flat_fill_b<T>(bs, b, p, ti[q].slot, ti[q].rank, n0, n_end);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-      }
-      if (ti[q].slot >= 0) flat_tile<T>(bs, vs, os, out + n0, p, q, scale[q], orow[q], col_ok, warp, lane);
-    }
+    flat_item<T, V>(v, b, out, p, smem_raw, item, tiles, waited);
     __syncthreads();  // the next item refills the shared memory
   }
 }
