@@ -225,8 +225,8 @@ inline ExpandPlan plan_expand(int elem, int64_t R, const int64_t* offsets, int n
   return e;
 }
 
-// Most CTAs the expand's grid can use for max_tiles work-list tiles: one per item (a tall item takes kTallTiles
-// tiles; a stream or register CTA takes kStreamWarps / kRegsWarps items at once).
+// Most CTAs the expand's grid can use for max_tiles work-list tiles: one per item (a tall or flat item takes
+// kTallTiles / kFlatTiles tiles; a stream or register CTA takes kStreamWarps / kRegsWarps items at once).
 inline int64_t expand_items_upper(const ExpandPlan& e, int64_t max_tiles) {
   if (e.kernel == ExpandKernel::tall) return cdiv(max_tiles, kTallTiles) * e.n_tiles;
   if (e.kernel == ExpandKernel::flat) return cdiv(max_tiles, kFlatTiles) * e.n_tiles;
