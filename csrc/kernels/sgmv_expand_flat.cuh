@@ -5,20 +5,21 @@
 // numbered column tile first, so the CTAs resident at once sweep whole rows of out together. A CTA first reads the
 // group's tiles without their ranks and starts the copy of its out rows into shared memory by whole lines (16 lanes a
 // 256-byte row), then the ranks, B (zero-filled past the rank and the slice) and v. Warp w owns the item's columns
-// [32 w, 32 w + 32) over all rows, tile by tile: four n8 tiles whose columns are permuted (flat_col) so that lane quad
-// t's accumulators of a row are one 16-byte chunk of out (columns 8 t .. + 7), read from the staged rows and stored
-// to out as such. B rows sit in shared memory in fragment order (each n8 tile's eight columns on consecutive rows) so
-// that ldmatrix's eight addresses fall in distinct banks.
+// [32 w, 32 w + 32) over all rows, tile by tile: four n8 tiles whose columns are permuted (flat_b_row) so that lane
+// quad t's accumulators of a row are one 16-byte chunk of out (columns 8 t .. + 7), read from the staged rows and
+// stored to out as such. B rows sit in shared memory in fragment order (each n8 tile's eight columns on consecutive
+// rows) so that ldmatrix's eight addresses fall in distinct banks.
 //
 // Measured (H100, layer µs at prefill 8x1024 r16, bench_kernels, one call each; the register expand 763-765, Triton
 // 706-707): out held in registers, 2-tile items, 6 CTAs an SM (80 registers) 780, 8 CTAs (64) 729-730; reading the
 // out rows before the ranks (more live registers, spills of 4-28 bytes) 743-784; out staged in shared memory by each
 // lane's own chunks, 2-tile items at 8 / 10 / 12 CTAs an SM 733 / 731 / 751, 4-tile items at 6 CTAs 720-721; copied by
 // whole lines: 4-tile items at 6 CTAs **702-705**, at 4 CTAs 712, 8-tile items at 3 CTAs 774, 2-tile items at 8 / 10
-// CTAs 719 / 713; the stores by whole lines too (the results back to shared memory, a barrier) 708-710. By ncu (each
-// kernel alone, r16 gate_up): the register expand 376 µs at 74% of DRAM bandwidth, out in registers 350 at 79%, whole
-// lines 335 at 82%. At r64 this form is slower than the register expand (906-1010 against 892-896): it reloads B
-// (16 KB) for every 8-16 KB of out, where a register-expand warp keeps B for a run of items.
+// CTAs 719 / 713; the stores by whole lines too (the results back to shared memory, a barrier) 708-710; the landed
+// steps in another order 721-729 (flat_item). By ncu (each kernel alone, r16 gate_up): the register expand 376 µs at
+// 74% of DRAM bandwidth, out in registers 350 at 79%, whole lines 335 at 82%. At r64 these forms were slower than the
+// register expand (906-1460 against 892-896): they reload B (16 KB) for every 8-16 KB of out, where a register-expand
+// warp keeps B for a run of items.
 //
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps (those under the rank) of the same
 // operands (v of T, 0 past the rank; B 0 past the rank) with the same fma epilogue as the register, 16-row, stream
@@ -45,9 +46,9 @@ constexpr int kFlatLines = kFlatRows * kFlatLineLanes / kFlatThreads;  // out ro
 constexpr int kFlatSmemBytes = (kFlatCols + kFlatRows) * kFlatLd + kFlatRows * kFlatOutLd;
 static_assert(kFlatRows * 2 == kFlatThreads && kFlatCols == kFlatThreads, "a lane: one v chunk, one B column");
 
-// Column (0..31 of a warp's slab) of n8 tile nt, fragment column c (0..7): lane quad t holds columns 8 t .. + 7.
-__device__ __forceinline__ int flat_col(int nt, int c) { return 8 * (c >> 1) + 2 * nt + (c & 1); }
-// Shared-memory row of slab column c: the inverse, tile nt's eight columns on rows 8 nt .. + 7.
+// Shared-memory row of column c (0..31) of a warp's slab. n8 tile nt's fragment column j (0..7) is slab column
+// 8 (j / 2) + 2 nt + j % 2, so that lane quad t's accumulators are columns 8 t .. + 7; its eight columns sit on rows
+// 8 nt .. + 7.
 __device__ __forceinline__ int flat_b_row(int c) { return 8 * ((c >> 1) & 3) + (((c >> 3) << 1) | (c & 1)); }
 
 // Eight elements of v (k0 .. k0 + 7 of a row, `live` of them under the rank: the rest 0; src valid when live <= 0)
