@@ -132,15 +132,16 @@ __device__ __forceinline__ void flat_v_task(const V* v, const ExpandArgs& p, con
   for (int k = 1; k < kFlatTiles; ++k)
     if (r >= k * kTileM) tq = ti[k];
   const int row = tq.slot >= 0 && i < kFlatRows * 2 ? tile_row(p.w, tq, r % kTileM) : -1;
-  live = i < kFlatRows * 2 ? (row >= 0 ? tq.rank - k0 : 0) : -kFlatCols;  // -kFlatCols: no chunk (never here)
+  // i < kFlatRows * 2 always holds (static_assert above); the check stays because the measured SASS has it (flat_item).
+  live = i < kFlatRows * 2 ? (row >= 0 ? tq.rank - k0 : 0) : -kFlatCols;  // -kFlatCols: no chunk
   src = live > 0 ? v + static_cast<int64_t>(row) * p.N + sl * p.R + k0 : v;
   dst = r * kFlatLd + 2 * k0;
 }
 
 // One item: its tiles' rows, the out rows' copy by lines (16 lanes a row), then the ranks, B and v; then tile by tile
 // (one tile's accumulators live at a time). The order of these steps is the measured one (its SASS is the A/B form's,
-// instruction for instruction): the same steps with the line rows found after griddep_wait, the v chunk without its
-// bound checks and the tile's work in a function (72 registers against 77) measured 729 µs at r16 prefill (e6cf823,
+// instruction for instruction): the same steps with the line rows found after griddep_wait and the v chunk without its
+// bound check (72 registers against 77) measured 729 µs at r16 prefill (e6cf823,
 // B copied a column a lane), 721-724 with B by whole sectors (29aa84c), against 703-705 for this form (H100,
 // bench_kernels; the last two in one A/B call, bit-equal).
 template <typename T, typename V>
