@@ -14,6 +14,7 @@
 // the same call: r16 784 -> 774, r64 1040 -> 1010 (again 783 -> 773, 1050 -> 1020).
 // Why: the tall kernel runs 64 x 128 tiles through shared memory behind block barriers, loads B per item and sums
 // v's planes per column tile; ncu found it at 30-45% of DRAM bandwidth at prefill (gate_up r16 472 µs, r64 832).
+// Again at 01d6aed (thirtieth session), r64 prefill: tall 1480 against 894 µs; ncu: qkv's expand 179 against 114.
 // Layer µs at prefill 8x1024 on an H100 (bench_kernels, the same call): tall 1120 / 1750 (r16 / r64) -> this 948 /
 // 1240, when lane quad t held columns 16 t .. + 15 (each store then wrote half of every sector it touched; ncu: L2 at
 // 80-86% of its peak); a first form that kept one item's out rows and v in registers (no stages) 1120 / 2190. With

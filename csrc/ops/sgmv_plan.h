@@ -60,7 +60,12 @@ static_assert(kTallExpandRows >= kPrefillRows, "the register expand reads one pl
 // at 16 rows (16x1 distinct 73.9 -> 78.9), nor with rows sharing tiles, where each warp sums a whole tile's v: sorted
 // r64 64x1 / 256x1 uniform 120 -> 124 / 160 -> 166, sorted identical 16x1 / 64x1 / 256x1 30.0 -> 49.6 / 40.0 -> 58.8 /
 // 89.2 -> 110. For R <= kStreamMaxR the stream kernel stays (16-row kernel of 4-warp CTAs: r16 16x1 / 64x1 / 256x1
-// uniform sorted 36.5 -> 41.1 / 52.6 -> 64.5 / 77.0 -> 95.5).
+// uniform sorted 36.5 -> 41.1 / 52.6 -> 64.5 / 77.0 -> 95.5). One adapter in full tiles is where the 16-row kernel
+// wins (H100, thirtieth session, sorted): identical 16x1 / 64x1 31.8 -> 25.7 / 40.8 -> 33.0 (Triton 20.8 / 27.8), but
+// 256x1 identical 59.3 -> 62.5 and uniform 37.1 -> 41.2 / 55.4 -> 65.7, and rows and the capacity cannot tell these
+// batches apart; `auto` sends one-segment batches to Triton. Summing the planes first from 2 rows (instead of
+// kReduceFirstRowsStream): identical 64x1 40.8 -> 38.8, but 16x1 31.8 -> 34.2, uniform 16x1 37.1 -> 42.2, 64x1 55.4
+// -> 58.6.
 constexpr int64_t kStreamWideMaxR = 64, kStreamWideRows = 128;
 static_assert(kStreamWideRows >= kReduceFirstRowsStream, "the wide streaming warps read one plane of v");
 constexpr int kTallCtasPerSm = 64;
