@@ -21,7 +21,7 @@
 // register expand (906-1460 against 892-896): they reload B (16 KB) for every 8-16 KB of out, where a register-expand
 // warp keeps B for a run of items. A persistent form that keeps B (CTAs of one column tile over contiguous rows, two
 // stages of out lines and v; up to R = 64) was slower at both ranks: r16 694 -> 762, r64 881 -> 1120 (ncu, gate_up r64:
-// 551 us at 51% of DRAM bandwidth, 11% occupancy: 1-2 CTAs of 4 warps an SM; thirtieth session).
+// 551 µs at 51% of DRAM bandwidth, 11% occupancy: 1-2 CTAs of 4 warps an SM; thirtieth session).
 //
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps (those under the rank) of the same
 // operands (v of T, 0 past the rank; B 0 past the rank) with the same fma epilogue as the register, 16-row, stream
