@@ -26,8 +26,9 @@
 // Bits: a row's sum is the same mma.sync m16n8k16 chain over the same k16 steps (those under the rank) of the same
 // operands (v of T, 0 past the rank; B 0 past the rank) with the same fma epilogue as the register, 16-row, stream
 // and tall kernels. Which n8 slot of an MMA holds a column, and which rows share the MMA, do not enter a column's sum;
-// v of T is used as it is, without the `0 + v` round trip of the other kernels (it only turns -0 into +0, and the
-// chain starts at +0, so a -0 operand cannot change a sum). So the choice among the kernels keeps batch invariance.
+// v of T is used as it is (as the register expand does), without the `0 + v` round trip of the 16-row, stream and tall
+// kernels (it only turns -0 into +0, and the chain starts at +0, so a -0 operand cannot change a sum). So the choice
+// among the kernels keeps batch invariance.
 // Raw pointers only; no torch headers.
 #pragma once
 #include <cstdint>
