@@ -215,6 +215,7 @@ __global__ void __launch_bounds__(kFlatThreads, kFlatMinCtas)
     flat_item<T, V>(v, b, out, p, smem_raw, item, tiles, waited);
     __syncthreads();  // the next item refills the shared memory
   }
+  wait_once(waited);  // as sgmv_expand_mma_kernel: the stream's next kernel must not overtake the producer
 }
 
 template <typename T, typename V>
