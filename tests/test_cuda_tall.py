@@ -23,6 +23,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the
 TALL_ROWS = 1024  # kTallExpandRows (csrc/ops/sgmv_plan.h)
 REGS_MAX_R = 64  # kRegsMaxR (csrc/kernels/sgmv_expand_regs.cuh)
 FLAT_MAX_R = 16  # kFlatMaxR (csrc/kernels/sgmv_expand_flat.cuh)
+
+
+def prefill_expand(R: int) -> str:
+    """The name of the expand kernel the prefill plans launch at pool rank R (16-byte aligned v)."""
+    return "expand_flat" if R <= FLAT_MAX_R else ("expand_regs" if R <= REGS_MAX_R else "expand_tall")
+
+
 SEGMENTS = ([5, 17, 33, 1, 0, 100, 64, 3, 16, 48], [0, 1, 2, -1, 3, 1, 1, 4, 0, 2])  # 287 rows: tiles of mixed slots
 SHAPES = {  # R, slice widths, pool ranks (some below R, several 64-wide rank slabs where R > 64)
     "qkv_r16": (16, (4096, 1024, 1024), [16, 8, 16, 3, 16, 12]),
@@ -104,8 +111,7 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
     lk.apply_lora(x, out_s, a, b, info_s, offs, backend="cuda")
     names = launched_sgmv_kernels(lambda: lk.apply_lora(big[2], out_b, a, b, info_b, offs, backend="cuda"))
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
-        kernel = "expand_flat" if R <= FLAT_MAX_R else ("expand_regs" if R <= REGS_MAX_R else "expand_tall")
-        assert any(kernel in k for k in names), names
+        assert any(prefill_expand(R) in k for k in names), names
     assert torch.equal(out_b[mine], out_s)
     for vd in (torch.float32, dtype):  # v in fp32 and in the adapters' dtype: both kernels' V instantiations
         e_s, e_b = base.clone(), big[3].clone()
@@ -140,8 +146,7 @@ def test_prefill_expands_need_a_16_byte_aligned_v(shape):
     n16 = launched_sgmv_kernels(lambda: lk.sgmv_expand(v16, b, info, offs, e16, backend="cuda"))
     n8 = launched_sgmv_kernels(lambda: lk.sgmv_expand(v8, b, info, offs, e8, backend="cuda"))
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
-        aligned = "expand_flat" if R <= FLAT_MAX_R else "expand_regs"
-        assert any(aligned in k for k in n16) and any("expand_tall" in k for k in n8), (n16, n8)
+        assert any(prefill_expand(R) in k for k in n16) and any("expand_tall" in k for k in n8), (n16, n8)
     assert torch.equal(e8, e16) and not torch.equal(e16, out0)
 
 
@@ -169,8 +174,7 @@ def test_prefill_expands_take_permuted_rows_with_the_same_bits(shape):
     lk.apply_lora(xs, out, a, b, in_order, offs, backend="cuda")
     names = launched_sgmv_kernels(lambda: lk.apply_lora(xp, outp, a, b, permuted, offs, backend="cuda"))
     if not os.environ.get("LORA_KERNELS_SANITIZER"):
-        kernel = "expand_flat" if R <= FLAT_MAX_R else "expand_regs"
-        assert any(kernel in k for k in names), names
+        assert any(prefill_expand(R) in k for k in names), names
     assert torch.equal(outp[pc], out) and not torch.equal(out, bases)
 
 
