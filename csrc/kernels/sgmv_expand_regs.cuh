@@ -44,6 +44,7 @@
 // Raw pointers only; no torch headers.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <cuda_runtime.h>
 
@@ -91,6 +92,29 @@ __device__ __forceinline__ RegsItem regs_item(const ExpandArgs& p, int item, int
   ti.row0 = __shfl_sync(0xffffffffu, m.ti.row0, src);
   ti.rows = __shfl_sync(0xffffffffu, m.ti.rows, src);
   const int ct = item / tiles, sl = slice_of(p, ct);
+  row = ti.slot >= 0 && lane < kTileM ? tile_row(p.w, ti, lane) : -1;
+  return RegsItem{ti.slot, ti.rank, ct, pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kRegsCols,
+                  pick(p.offsets, sl + 1), sl * p.R};
+}
+
+// WIP (LK_LEAN_ISSUE): a warp's run walks consecutive items, so the next item's column tile advances by a counter
+// (ct: item = ct * tiles + tile) instead of a division per item.
+__device__ __forceinline__ RegsItem regs_item_at(const ExpandArgs& p, int ct, int item, int tiles, int lane, int& row,
+                                                 RegsMeta& m) {
+  const int t0 = item - ct * tiles;
+  if (item < m.base || item - m.base >= 32) {  // warp-uniform
+    m.base = item;
+    int t = t0 + lane;  // (item + lane) % tiles
+    if (t >= tiles) t = tiles >= 32 ? t - tiles : t % tiles;
+    m.ti = load_tile(p.w, t, p.R);
+  }
+  const int src = item - m.base;
+  TileInfo ti;
+  ti.slot = __shfl_sync(0xffffffffu, m.ti.slot, src);
+  ti.rank = __shfl_sync(0xffffffffu, m.ti.rank, src);
+  ti.row0 = __shfl_sync(0xffffffffu, m.ti.row0, src);
+  ti.rows = __shfl_sync(0xffffffffu, m.ti.rows, src);
+  const int sl = slice_of(p, ct);
   row = ti.slot >= 0 && lane < kTileM ? tile_row(p.w, ti, lane) : -1;
   return RegsItem{ti.slot, ti.rank, ct, pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kRegsCols,
                   pick(p.offsets, sl + 1), sl * p.R};
@@ -176,6 +200,48 @@ __device__ __forceinline__ void regs_issue(RegsStage<V, KS>& st, const V* v, con
   }
 }
 
+// WIP (LK_LEAN_ISSUE): regs_issue with fewer instructions a copy: the stage's shared addresses converted once, each
+// lane's row indices shuffled once for both the out and the v copies where they coincide (v of 8 chunks a row), and
+// rows or columns that do not exist copied as 0 bytes (zero-filled, never read back: the epilogue skips them) instead
+// of a branch around each copy.
+template <typename T, typename V, int KS>
+__device__ __forceinline__ void regs_issue_lean(RegsStage<V, KS>& st, const V* v, const T* out, const ExpandArgs& p,
+                                                const RegsItem& it, int row, int lane) {
+  using S = RegsStage<V, KS>;
+  if (lane == 0) st.item = it;
+  if (lane < kTileM) st.rows[lane] = row;
+  if (it.slot < 0) return;  // warp-uniform
+  const uint32_t out_s = smem_addr(st.out), v_s = smem_addr(st.v);
+  const int c = lane & 7, n = it.n0 + 8 * c;
+  const bool col = n < it.n_end;
+  constexpr int kRows = kTileM * 8 / 32;  // rows a lane copies: (lane >> 3) + 4 i
+  int rr[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) rr[i] = __shfl_sync(0xffffffffu, row, (lane >> 3) + 4 * i);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {  // out: 8 chunks a row
+    const int r = (lane >> 3) + 4 * i;
+    const bool ok = rr[i] >= 0 && col;
+    cp_async16_s(out_s + 16 * regs_chunk(r, c), ok ? out + static_cast<int64_t>(rr[i]) * p.out_total + n : out,
+                 ok ? 16 : 0);
+  }
+  constexpr int kElems = 16 / static_cast<int>(sizeof(V));
+#pragma unroll
+  for (int i = 0; i < (kTileM * S::v_chunks + 31) / 32; ++i) {  // v: v_chunks a row
+    const int idx = lane + 32 * i, r = idx / S::v_chunks, vc = idx % S::v_chunks;
+    int vr;
+    if constexpr (S::v_chunks == 8) {
+      vr = rr[i];  // the out copies' row
+    } else {
+      vr = __shfl_sync(0xffffffffu, row, r % kTileM);
+    }
+    if (idx < kTileM * S::v_chunks) {
+      const int k = vc * kElems, bytes = vr >= 0 ? max(0, min(16, (it.rank - k) * static_cast<int>(sizeof(V)))) : 0;
+      cp_async16_s(v_s + r * S::v_ld + vc * 16, bytes ? v + static_cast<int64_t>(vr) * p.N + it.vcol0 + k : v, bytes);
+    }
+  }
+}
+
 // The stage's item: A fragments of v from the stage (rounded to T), the MMAs over the k16 steps under the rank, then
 // out = fma(scale, acc, out) from the staged rows and 16-byte stores.
 template <typename T, typename V, int KS>
@@ -226,7 +292,7 @@ __device__ __forceinline__ void regs_compute(const RegsStage<V, KS>& st, const u
 }
 
 // v: one plane (the folded shrink's v, the split reduction's sum, or v itself) of T or fp32; p.splits must be 1.
-template <typename T, typename V, int KS>
+template <typename T, typename V, int KS, bool LEAN = false>
 __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
     sgmv_expand_regs_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   constexpr int ST = regs_stages<KS>();
@@ -242,7 +308,13 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   int b_slot = -1, b_ct = -1;  // whose fragments bf holds
   int row;
   RegsMeta meta{-64, {}};
-  const auto item_at = [&](int item) { return regs_item(p, item, tiles, lane, row, meta); };
+  int next_ct = LEAN ? i0 / tiles : 0;  // LEAN: the column tile of the next item to issue
+  const auto item_at = [&](int item) {
+    if constexpr (LEAN)
+      return regs_item_at(p, next_ct, item, tiles, lane, row, meta);
+    else
+      return regs_item(p, item, tiles, lane, row, meta);
+  };
   if (i0 < i1) {  // the first item's B before griddep_wait: no kernel writes the weights
     const RegsItem it = item_at(i0);
     if (it.slot >= 0) {
@@ -255,7 +327,11 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   for (int s = 0; s + 1 < ST; ++s) {
     if (i0 + s < i1) {
       const RegsItem it = item_at(i0 + s);
-      regs_issue<T, V, KS>(st[s], v, out, p, it, row, lane);
+      if constexpr (LEAN) {
+        regs_issue_lean<T, V, KS>(st[s], v, out, p, it, row, lane);
+        next_ct += i0 + s + 1 == (next_ct + 1) * tiles;
+      } else
+        regs_issue<T, V, KS>(st[s], v, out, p, it, row, lane);
     }
     cp_async_commit();
   }
@@ -263,7 +339,11 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
     const int next = i0 + k + ST - 1;
     if (next < i1) {
       const RegsItem it = item_at(next);
-      regs_issue<T, V, KS>(st[(k + ST - 1) % ST], v, out, p, it, row, lane);
+      if constexpr (LEAN) {
+        regs_issue_lean<T, V, KS>(st[(k + ST - 1) % ST], v, out, p, it, row, lane);
+        next_ct += next + 1 == (next_ct + 1) * tiles;
+      } else
+        regs_issue<T, V, KS>(st[(k + ST - 1) % ST], v, out, p, it, row, lane);
     }
     cp_async_commit();
     cp_async_wait<ST - 1>();  // item k's group
@@ -282,23 +362,29 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   }
 }
 
-template <typename T, typename V, int KS>
+template <typename T, typename V, int KS, bool LEAN>
 cudaError_t launch_expand_regs_ks(const V* v, const T* b, T* out, const ExpandArgs& p, LaunchCfg cfg) {
   constexpr int smem = regs_smem_bytes<V, KS>();
   // Each warp's run is fixed by the grid, so the grid is what the SMs hold at once (no CTA waits for another's end).
-  const int per_sm = resident_ctas_per_sm<sgmv_expand_regs_kernel<T, V, KS>>(kRegsThreads, smem);
+  const int per_sm = resident_ctas_per_sm<sgmv_expand_regs_kernel<T, V, KS, LEAN>>(kRegsThreads, smem);
   int dev = 0, sms = 0;
   if (per_sm > 0 && cudaGetDevice(&dev) == cudaSuccess &&
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && cfg.grid > per_sm * sms)
     cfg.grid = per_sm * sms;
-  return launch_kernel<sgmv_expand_regs_kernel<T, V, KS>>(cfg, kRegsThreads, smem, v, b, out, p);
+  return launch_kernel<sgmv_expand_regs_kernel<T, V, KS, LEAN>>(cfg, kRegsThreads, smem, v, b, out, p);
+}
+
+template <typename T, typename V, bool LEAN>
+cudaError_t launch_expand_regs_lean(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
+  if (p.R <= 16) return launch_expand_regs_ks<T, V, 1, LEAN>(v, b, out, p, cfg);
+  if (p.R <= 32) return launch_expand_regs_ks<T, V, 2, LEAN>(v, b, out, p, cfg);
+  return launch_expand_regs_ks<T, V, 4, LEAN>(v, b, out, p, cfg);
 }
 
 template <typename T, typename V>
 cudaError_t launch_expand_regs(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  if (p.R <= 16) return launch_expand_regs_ks<T, V, 1>(v, b, out, p, cfg);
-  if (p.R <= 32) return launch_expand_regs_ks<T, V, 2>(v, b, out, p, cfg);
-  return launch_expand_regs_ks<T, V, 4>(v, b, out, p, cfg);
+  if (std::getenv("LK_LEAN_ISSUE")) return launch_expand_regs_lean<T, V, true>(v, b, out, p, cfg);  // WIP switch
+  return launch_expand_regs_lean<T, V, false>(v, b, out, p, cfg);
 }
 
 }  // namespace lora_kernels
