@@ -292,7 +292,7 @@ __device__ __forceinline__ void regs_compute(const RegsStage<V, KS>& st, const u
 }
 
 // v: one plane (the folded shrink's v, the split reduction's sum, or v itself) of T or fp32; p.splits must be 1.
-template <typename T, typename V, int KS, bool LEAN = false>
+template <typename T, typename V, int KS, int LEAN = 0>
 __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
     sgmv_expand_regs_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   constexpr int ST = regs_stages<KS>();
@@ -308,9 +308,9 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   int b_slot = -1, b_ct = -1;  // whose fragments bf holds
   int row;
   RegsMeta meta{-64, {}};
-  int next_ct = LEAN ? i0 / tiles : 0;  // LEAN: the column tile of the next item to issue
+  int next_ct = LEAN == 1 ? i0 / tiles : 0;  // LEAN 1: the column tile of the next item to issue
   const auto item_at = [&](int item) {
-    if constexpr (LEAN)
+    if constexpr (LEAN == 1)
       return regs_item_at(p, next_ct, item, tiles, lane, row, meta);
     else
       return regs_item(p, item, tiles, lane, row, meta);
@@ -327,9 +327,9 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   for (int s = 0; s + 1 < ST; ++s) {
     if (i0 + s < i1) {
       const RegsItem it = item_at(i0 + s);
-      if constexpr (LEAN) {
+      if constexpr (LEAN > 0) {
         regs_issue_lean<T, V, KS>(st[s], v, out, p, it, row, lane);
-        next_ct += i0 + s + 1 == (next_ct + 1) * tiles;
+        if constexpr (LEAN == 1) next_ct += i0 + s + 1 == (next_ct + 1) * tiles;
       } else
         regs_issue<T, V, KS>(st[s], v, out, p, it, row, lane);
     }
@@ -339,9 +339,9 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
     const int next = i0 + k + ST - 1;
     if (next < i1) {
       const RegsItem it = item_at(next);
-      if constexpr (LEAN) {
+      if constexpr (LEAN > 0) {
         regs_issue_lean<T, V, KS>(st[(k + ST - 1) % ST], v, out, p, it, row, lane);
-        next_ct += next + 1 == (next_ct + 1) * tiles;
+        if constexpr (LEAN == 1) next_ct += next + 1 == (next_ct + 1) * tiles;
       } else
         regs_issue<T, V, KS>(st[(k + ST - 1) % ST], v, out, p, it, row, lane);
     }
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(kRegsThreads, regs_min_ctas<KS>())
   }
 }
 
-template <typename T, typename V, int KS, bool LEAN>
+template <typename T, typename V, int KS, int LEAN>
 cudaError_t launch_expand_regs_ks(const V* v, const T* b, T* out, const ExpandArgs& p, LaunchCfg cfg) {
   constexpr int smem = regs_smem_bytes<V, KS>();
   // Each warp's run is fixed by the grid, so the grid is what the SMs hold at once (no CTA waits for another's end).
@@ -374,7 +374,7 @@ cudaError_t launch_expand_regs_ks(const V* v, const T* b, T* out, const ExpandAr
   return launch_kernel<sgmv_expand_regs_kernel<T, V, KS, LEAN>>(cfg, kRegsThreads, smem, v, b, out, p);
 }
 
-template <typename T, typename V, bool LEAN>
+template <typename T, typename V, int LEAN>
 cudaError_t launch_expand_regs_lean(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
   if (p.R <= 16) return launch_expand_regs_ks<T, V, 1, LEAN>(v, b, out, p, cfg);
   if (p.R <= 32) return launch_expand_regs_ks<T, V, 2, LEAN>(v, b, out, p, cfg);
@@ -383,8 +383,11 @@ cudaError_t launch_expand_regs_lean(const V* v, const T* b, T* out, const Expand
 
 template <typename T, typename V>
 cudaError_t launch_expand_regs(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  if (std::getenv("LK_LEAN_ISSUE")) return launch_expand_regs_lean<T, V, true>(v, b, out, p, cfg);  // WIP switch
-  return launch_expand_regs_lean<T, V, false>(v, b, out, p, cfg);
+  // WIP switch: 1 the lean issue path and the column-tile counter, 2 the lean issue path alone
+  if (const char* lean = std::getenv("LK_LEAN_ISSUE"))
+    return std::atoi(lean) == 2 ? launch_expand_regs_lean<T, V, 2>(v, b, out, p, cfg)
+                                : launch_expand_regs_lean<T, V, 1>(v, b, out, p, cfg);
+  return launch_expand_regs_lean<T, V, 0>(v, b, out, p, cfg);
 }
 
 }  // namespace lora_kernels
