@@ -148,8 +148,11 @@ __device__ __forceinline__ void regs_load_b(uint32_t (&f)[KS][kRegsNT][2], const
   }
 }
 
-// The stage <- item, rows (lanes 0..15 hold them), out rows and v rows by cp.async (v zero-filled past the rank, and
-// for rows that do not exist). After griddep_wait: an earlier kernel writes v and out.
+// The stage <- item, rows (lanes 0..15 hold them), out rows and v rows by cp.async (v zero-filled past the rank).
+// After griddep_wait: an earlier kernel writes v and out. Few instructions a copy (the issue path is what the
+// kernel is bound by): the stage's shared addresses converted once, each lane's row indices shuffled once for the
+// out and the v copies where they coincide (v of 8 chunks a row), and rows or columns that do not exist copied as
+// 0 bytes (zero-filled, never read back: the epilogue skips them) instead of a branch around each copy.
 template <typename T, typename V, int KS>
 __device__ __forceinline__ void regs_issue(RegsStage<V, KS>& st, const V* v, const T* out, const ExpandArgs& p,
                                            const RegsItem& it, int row, int lane) {
@@ -157,21 +160,33 @@ __device__ __forceinline__ void regs_issue(RegsStage<V, KS>& st, const V* v, con
   if (lane == 0) st.item = it;
   if (lane < kTileM) st.rows[lane] = row;
   if (it.slot < 0) return;  // warp-uniform
+  const uint32_t out_s = smem_addr(st.out), v_s = smem_addr(st.v);
+  const int c = lane & 7, n = it.n0 + 8 * c;
+  const bool col = n < it.n_end;
+  constexpr int kRows = kTileM * 8 / 32;  // rows a lane copies: (lane >> 3) + 4 i
+  int rr[kRows];
 #pragma unroll
-  for (int i = 0; i < kTileM * 8 / 32; ++i) {  // out: 8 chunks a row
-    const int r = (lane >> 3) + 4 * i, c = lane & 7, n = it.n0 + 8 * c;
-    const int rr = __shfl_sync(0xffffffffu, row, r);
-    if (rr >= 0 && n < it.n_end)
-      cp_async16(&st.out[regs_chunk(r, c)], out + static_cast<int64_t>(rr) * p.out_total + n, 16);
+  for (int i = 0; i < kRows; ++i) rr[i] = __shfl_sync(0xffffffffu, row, (lane >> 3) + 4 * i);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {  // out: 8 chunks a row
+    const int r = (lane >> 3) + 4 * i;
+    const bool ok = rr[i] >= 0 && col;
+    cp_async16_s(out_s + 16 * regs_chunk(r, c), ok ? out + static_cast<int64_t>(rr[i]) * p.out_total + n : out,
+                 ok ? 16 : 0);
   }
   constexpr int kElems = 16 / static_cast<int>(sizeof(V));
 #pragma unroll
   for (int i = 0; i < (kTileM * S::v_chunks + 31) / 32; ++i) {  // v: v_chunks a row
-    const int idx = lane + 32 * i, r = idx / S::v_chunks, c = idx % S::v_chunks;
-    const int rr = __shfl_sync(0xffffffffu, row, r % kTileM);
+    const int idx = lane + 32 * i, r = idx / S::v_chunks, vc = idx % S::v_chunks;
+    int vr;
+    if constexpr (S::v_chunks == 8) {
+      vr = rr[i];  // the out copies' row
+    } else {
+      vr = __shfl_sync(0xffffffffu, row, r % kTileM);
+    }
     if (idx < kTileM * S::v_chunks) {
-      const int k = c * kElems, bytes = rr >= 0 ? max(0, min(16, (it.rank - k) * static_cast<int>(sizeof(V)))) : 0;
-      cp_async16(st.v + r * S::v_ld + c * 16, bytes ? v + static_cast<int64_t>(rr) * p.N + it.vcol0 + k : v, bytes);
+      const int k = vc * kElems, bytes = vr >= 0 ? max(0, min(16, (it.rank - k) * static_cast<int>(sizeof(V)))) : 0;
+      cp_async16_s(v_s + r * S::v_ld + vc * 16, bytes ? v + static_cast<int64_t>(vr) * p.N + it.vcol0 + k : v, bytes);
     }
   }
 }
