@@ -50,6 +50,48 @@ __device__ __forceinline__ void shrink_wgmma_store(const float (&d)[32], V* v, c
     }
 }
 
+// The K loop with one wgmma group in flight (from kWgAsyncStages stages): slab kt's MMAs overlap slab kt + 1's wait,
+// barrier and copies. A stage is refilled once every warp has passed the wait that retired its MMAs (the next
+// iteration's barrier), so the copies run ST - 2 slabs ahead instead of ST - 1. Each split's chain is a loop of its
+// own whose first MMA has the accumulator's input off: no other instruction writes acc while a wgmma on it may be in
+// flight and every back edge sees one state (a zeroing of acc, or a fold inside the loop, made ptxas wait for the MMAs
+// at the merge: warning C7517). The same MMAs in the same order, the same bits (a chain that starts from an ignored
+// accumulator differs from one that starts at +0 only by the sign of a zero, and the fold adds it to a sum from +0).
+// H100, layer us at prefill 8x1024 (bench_kernels, two orders in each of two calls): r16 701-703 -> 695-696, r64
+// 872-874 -> 870-872; at 4 stages (3 CTAs an SM: two slabs ahead) r64 877 against 874, hence not there; 10 or 12
+// stages for one CTA an SM: 694-696 / 870-871 (no gain).
+constexpr int kWgAsyncStages = 6;
+template <typename T, int ST, typename LoadW, typename LoadX>
+__device__ __forceinline__ void wgmma_async_chains(float (&acc)[32], float (&sum)[32], const T* xs, const T* wt,
+                                                   LoadW&& load_w, LoadX&& load_x, int KT, int fold_slabs) {
+  for (int k0 = 0; k0 < KT; k0 += fold_slabs) {
+    const int k1 = min(k0 + fold_slabs, KT);
+    for (int kt = k0; kt < k1; ++kt) {
+      cp_async_wait<ST - 3>();
+      fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
+      __syncthreads();      // slab kt landed for all threads; slab kt - 2's MMAs are done (every warp waited)
+      const int nk = kt + ST - 2;
+      if (nk < KT) {
+        load_w(nk % ST, nk);
+        load_x(nk % ST, nk);
+      }
+      cp_async_commit();
+      const T* xst = xs + (kt % ST) * kWgRows * kMmaBK;
+      const T* wst = wt + (kt % ST) * kWgCols * kMmaBK;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kMmaBK / 16; ++ks)
+        wgmma_64x64x16_scaled<T>(acc, wgmma_desc(xst + 16 * ks), wgmma_desc(wst + 16 * ks), ks > 0 || kt > k0);
+      wgmma_commit();
+      wgmma_wait<1>();  // slab kt - 1's MMAs
+    }
+    wgmma_wait<0>();
+    wgmma_fence_regs(acc);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sum[i] += acc[i];
+  }
+}
+
 // One block: the pipeline over the whole K axis, the splits folded (fold_slabs slabs each), then the store.
 template <typename T, typename V, int ST>
 __device__ __forceinline__ void shrink_wgmma_block(const T* x, const T* a, V* v, const ShrinkArgs& p,
@@ -71,7 +113,15 @@ __device__ __forceinline__ void shrink_wgmma_block(const T* x, const T* a, V* v,
       shrink_load_slab<T, S::x_copies, S::row_step>(xs + stage * kWgRows * kMmaBK, cp.x, cp.xok, x, kt * kMmaBK,
                                                     kt * kMmaBK + chunk * 8 < K);
     };
-    shrink_prologue<ST>(load_w, load_x, KT, waited);
+    constexpr bool async = ST >= kWgAsyncStages;
+    shrink_prologue<async ? ST - 1 : ST>(load_w, load_x, KT, waited);  // ST - 2 or ST - 1 slabs ahead
+    if constexpr (async) {
+      wgmma_async_chains<T, ST>(acc, sum, xs, wt, load_w, load_x, KT, fold_slabs);
+      cp_async_wait<0>();
+      wait_once(waited);
+      shrink_wgmma_store<V>(sum, v, p, rows_sm, n0);
+      return;
+    }
     for (int kt = 0; kt < KT; ++kt) {
       cp_async_wait<ST - 2>();
       fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
