@@ -40,6 +40,8 @@
 namespace lora_kernels {
 
 constexpr int kFlatWarps = 4, kFlatThreads = 32 * kFlatWarps, kFlatCols = 32 * kFlatWarps;
+// 6 CTAs an SM (77 registers). 7 (72 registers, no spills; 5.25 -> 4.5 waves of the o and down items) measured level:
+// r16 prefill 8x1024 695-697 against 696-697 µs a layer (H100, two orders, thirty-first session).
 constexpr int kFlatTiles = 4, kFlatRows = kFlatTiles * kTileM, kFlatMinCtas = 6;
 constexpr int kFlatMaxR = 16;                     // one k16 step (the measured form; see above for r64)
 constexpr int kFlatLd = 48;                       // bytes per row of B and v in shared memory: 32 + 16 of padding
