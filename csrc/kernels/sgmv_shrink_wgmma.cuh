@@ -92,6 +92,40 @@ __device__ __forceinline__ void wgmma_async_chains(float (&acc)[32], float (&sum
   }
 }
 
+// The K loop below kWgAsyncStages stages: each slab's MMAs waited for before the next slab's wait, barrier and copies.
+template <typename T, int ST, typename LoadW, typename LoadX>
+__device__ __forceinline__ void wgmma_sync_chains(float (&acc)[32], float (&sum)[32], const T* xs, const T* wt,
+                                                  LoadW&& load_w, LoadX&& load_x, int KT, int fold_slabs) {
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<ST - 2>();
+    fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
+    __syncthreads();      // slab kt landed for all threads; slab kt - 1's MMAs are done (waited below)
+    const int nk = kt + ST - 1;
+    if (nk < KT) {
+      load_w(nk % ST, nk);
+      load_x(nk % ST, nk);
+    }
+    cp_async_commit();
+    const T* xst = xs + (kt % ST) * kWgRows * kMmaBK;
+    const T* wst = wt + (kt % ST) * kWgCols * kMmaBK;
+    wgmma_fence_regs(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kMmaBK / 16; ++ks)
+      wgmma_64x64x16<T>(acc, wgmma_desc(xst + 16 * ks), wgmma_desc(wst + 16 * ks));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_regs(acc);
+    if ((kt + 1) % fold_slabs == 0 || kt + 1 == KT) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        sum[i] += acc[i];
+        acc[i] = 0.f;
+      }
+    }
+  }
+}
+
 // One block: the pipeline over the whole K axis, the splits folded (fold_slabs slabs each), then the store.
 template <typename T, typename V, int ST>
 __device__ __forceinline__ void shrink_wgmma_block(const T* x, const T* a, V* v, const ShrinkArgs& p,
@@ -121,36 +155,10 @@ __device__ __forceinline__ void shrink_wgmma_block(const T* x, const T* a, V* v,
       wait_once(waited);
       shrink_wgmma_store<V>(sum, v, p, rows_sm, n0);
       return;
+    } else {
+      wgmma_sync_chains<T, ST>(acc, sum, xs, wt, load_w, load_x, KT, fold_slabs);
+      cp_async_wait<0>();
     }
-    for (int kt = 0; kt < KT; ++kt) {
-      cp_async_wait<ST - 2>();
-      fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
-      __syncthreads();      // slab kt landed for all threads; slab kt - 1's MMAs are done (waited below)
-      const int nk = kt + ST - 1;
-      if (nk < KT) {
-        load_w(nk % ST, nk);
-        load_x(nk % ST, nk);
-      }
-      cp_async_commit();
-      const T* xst = xs + (kt % ST) * kWgRows * kMmaBK;
-      const T* wst = wt + (kt % ST) * kWgCols * kMmaBK;
-      wgmma_fence_regs(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kMmaBK / 16; ++ks)
-        wgmma_64x64x16<T>(acc, wgmma_desc(xst + 16 * ks), wgmma_desc(wst + 16 * ks));
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_regs(acc);
-      if ((kt + 1) % fold_slabs == 0 || kt + 1 == KT) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          sum[i] += acc[i];
-          acc[i] = 0.f;
-        }
-      }
-    }
-    cp_async_wait<0>();
   }
   wait_once(waited);
   shrink_wgmma_store<V>(sum, v, p, rows_sm, n0);
