@@ -50,6 +50,22 @@ __device__ __forceinline__ void shrink_wgmma_store(const float (&d)[32], V* v, c
     }
 }
 
+// Slab kt's turn in a K loop whose copies run AHEAD slabs ahead: wait until slab kt landed (AHEAD - 1 copy groups
+// may stay in flight), make the copies visible to wgmma and every thread past the barrier, then issue slab
+// kt + AHEAD's copies into its stage (one commit group a slab, empty past KT).
+template <int ST, int AHEAD, typename LoadW, typename LoadX>
+__device__ __forceinline__ void wgmma_slab_turn(int kt, int KT, LoadW& load_w, LoadX& load_x) {
+  cp_async_wait<AHEAD - 1>();
+  fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
+  __syncthreads();      // slab kt landed for all threads; the MMAs that read slab kt + AHEAD's stage are done
+  const int nk = kt + AHEAD;
+  if (nk < KT) {
+    load_w(nk % ST, nk);
+    load_x(nk % ST, nk);
+  }
+  cp_async_commit();
+}
+
 // The K loop with one wgmma group in flight (from kWgAsyncStages stages): slab kt's MMAs overlap slab kt + 1's wait,
 // barrier and copies. A stage is refilled once every warp has passed the wait that retired its MMAs (the next
 // iteration's barrier), so the copies run ST - 2 slabs ahead instead of ST - 1. Each split's chain is a loop of its
@@ -67,15 +83,7 @@ __device__ __forceinline__ void wgmma_async_chains(float (&acc)[32], float (&sum
   for (int k0 = 0; k0 < KT; k0 += fold_slabs) {
     const int k1 = min(k0 + fold_slabs, KT);
     for (int kt = k0; kt < k1; ++kt) {
-      cp_async_wait<ST - 3>();
-      fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
-      __syncthreads();      // slab kt landed for all threads; slab kt - 2's MMAs are done (every warp waited)
-      const int nk = kt + ST - 2;
-      if (nk < KT) {
-        load_w(nk % ST, nk);
-        load_x(nk % ST, nk);
-      }
-      cp_async_commit();
+      wgmma_slab_turn<ST, ST - 2>(kt, KT, load_w, load_x);  // slab kt - 2's MMAs are done (every warp waited)
       const T* xst = xs + (kt % ST) * kWgRows * kMmaBK;
       const T* wst = wt + (kt % ST) * kWgCols * kMmaBK;
       wgmma_fence();
@@ -97,15 +105,7 @@ template <typename T, int ST, typename LoadW, typename LoadX>
 __device__ __forceinline__ void wgmma_sync_chains(float (&acc)[32], float (&sum)[32], const T* xs, const T* wt,
                                                   LoadW&& load_w, LoadX&& load_x, int KT, int fold_slabs) {
   for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<ST - 2>();
-    fence_proxy_async();  // this thread's cp.async writes, before wgmma reads them
-    __syncthreads();      // slab kt landed for all threads; slab kt - 1's MMAs are done (waited below)
-    const int nk = kt + ST - 1;
-    if (nk < KT) {
-      load_w(nk % ST, nk);
-      load_x(nk % ST, nk);
-    }
-    cp_async_commit();
+    wgmma_slab_turn<ST, ST - 1>(kt, KT, load_w, load_x);  // slab kt - 1's MMAs are done (waited below)
     const T* xst = xs + (kt % ST) * kWgRows * kMmaBK;
     const T* wst = wt + (kt % ST) * kWgCols * kMmaBK;
     wgmma_fence_regs(acc);

@@ -57,39 +57,10 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[32]) {
   for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (the warp's 16 rows of a 64 x 64 fp32 block) += A(64 x 16, K-major at desc_a) * B(64 x 16, K-major at desc_b)^T.
-// d[4 j + e]: row 16 warp + lane / 4 + 8 (e / 2), column 8 j + 2 (lane % 4) + e % 2 (the m16n8 fragments side by
-// side).
-template <typename T>
-__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint64_t desc_a, uint64_t desc_b);
-
-#define LK_WGMMA_64x64(TYPE)                                                                                       \
-  asm volatile(                                                                                                    \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                              \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;\n"                                   \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),             \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),       \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])      \
-      : "l"(desc_a), "l"(desc_b))
-
-template <>
-__device__ __forceinline__ void wgmma_64x64x16<__nv_bfloat16>(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-#if WGMMA_ENABLED
-  LK_WGMMA_64x64("bf16");
-#endif
-}
-template <>
-__device__ __forceinline__ void wgmma_64x64x16<__half>(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-#if WGMMA_ENABLED
-  LK_WGMMA_64x64("f16");
-#endif
-}
-#undef LK_WGMMA_64x64
-
-// The same MMA with the accumulator's input scaled by `accumulate` (0: d = A B^T, a new chain without zeroing d, so that
-// no other instruction writes d while an earlier wgmma on it is in flight).
+// d (the warp's 16 rows of a 64 x 64 fp32 block) = A(64 x 16, K-major at desc_a) * B(64 x 16, K-major at desc_b)^T,
+// plus d where `accumulate` (0: a new chain without zeroing d, so that no other instruction writes d while an earlier
+// wgmma on it is in flight). d[4 j + e]: row 16 warp + lane / 4 + 8 (e / 2), column 8 j + 2 (lane % 4) + e % 2 (the
+// m16n8 fragments side by side).
 template <typename T>
 __device__ __forceinline__ void wgmma_64x64x16_scaled(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate);
 
@@ -120,5 +91,11 @@ __device__ __forceinline__ void wgmma_64x64x16_scaled<__half>(float (&d)[32], ui
 #endif
 }
 #undef LK_WGMMA_64x64_SCALED
+
+// d += A * B^T (the chain continued).
+template <typename T>
+__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  wgmma_64x64x16_scaled<T>(d, desc_a, desc_b, 1);
+}
 
 }  // namespace lora_kernels
