@@ -1,9 +1,10 @@
 """The cuda backend's expand kernels chosen by rows (csrc/ops/sgmv_plan.h): from 1024 rows of out, where the work list
-is dense and has 64 folded items or more (prefill_plan), the flat expand (R <= 16), the register expand (R <= 64) or
-the tall expand (items of four work-list tiles), the streaming warps (R <= 16) from 2 rows (R <= 64
-where every tile is one row, from 128 rows), the 16-row kernel (8-warp CTAs at one row, else 4) at one row and beyond
-R = 16. Every row has the same bits under each (batch invariance across the switches), right against float64, rows
-without LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool rank and several rank
+is dense and has 64 folded items or more (prefill_plan), the flat expand (R <= 16), the warpgroup-MMA expand (R <= 64,
+v of out's dtype, sm_90a), the register expand (R <= 64) or the tall expand (items of four work-list tiles), the
+streaming warps (R <= 16) from 2 rows (R <= 64 where every tile is one row, from 128 rows), the 16-row kernel (8-warp
+CTAs at one row, else 4) at one row and beyond R = 16.
+Every row has the same bits under each (batch invariance across the switches), right against float64, rows without
+LoRA untouched. Item groups that mix slots, slot -1, short tiles, ranks below the pool rank and several rank
 slabs all occur here, and persistent CTAs that take many items each."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import lora_kernels as lk
+import lora_kernels._build_meta as build_meta
 from cases import TOL, launched_sgmv_kernels, make_info, rel_err
 
 HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
@@ -23,11 +25,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the
 TALL_ROWS = 1024  # kTallExpandRows (csrc/ops/sgmv_plan.h)
 REGS_MAX_R = 64  # kRegsMaxR (csrc/kernels/sgmv_expand_regs.cuh)
 FLAT_MAX_R = 16  # kFlatMaxR (csrc/kernels/sgmv_expand_flat.cuh)
+SM90A = HAS_EXT and torch.cuda.get_device_capability() == (9, 0) and "9.0a" in build_meta.CUDA_ARCHS
 
 
-def prefill_expand(R: int) -> str:
-    """The name of the expand kernel the prefill plans launch at pool rank R (16-byte aligned v)."""
-    return "expand_flat" if R <= FLAT_MAX_R else ("expand_regs" if R <= REGS_MAX_R else "expand_tall")
+def prefill_expand(R: int, v_of_t: bool = True) -> str:
+    """The name of the expand kernel the prefill plans launch at pool rank R (16-byte aligned v): up to R = 64 the
+    warpgroup-MMA form where v is of out's dtype on sm_90a (csrc/ops/sgmv_expand.cu), else the register expand."""
+    if R <= FLAT_MAX_R:
+        return "expand_flat"
+    if R <= REGS_MAX_R:
+        return "expand_wgmma" if v_of_t and SM90A else "expand_regs"
+    return "expand_tall"
 
 
 SEGMENTS = ([5, 17, 33, 1, 0, 100, 64, 3, 16, 48], [0, 1, 2, -1, 3, 1, 1, 4, 0, 2])  # 287 rows: tiles of mixed slots
@@ -116,7 +124,9 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
     for vd in (torch.float32, dtype):  # v in fp32 and in the adapters' dtype: both kernels' V instantiations
         e_s, e_b = base.clone(), big[3].clone()
         lk.sgmv_expand(v.to(vd), b, info_s, offs, e_s, backend="cuda")
-        lk.sgmv_expand(big[4].to(vd), b, info_b, offs, e_b, backend="cuda")
+        names = launched_sgmv_kernels(lambda: lk.sgmv_expand(big[4].to(vd), b, info_b, offs, e_b, backend="cuda"))
+        if not os.environ.get("LORA_KERNELS_SANITIZER"):
+            assert any(prefill_expand(R, vd == dtype) in k for k in names), (vd, names)
         assert torch.equal(e_b[mine], e_s)
 
     no_lora = torch.zeros(n, dtype=torch.bool, device="cuda")
@@ -129,8 +139,8 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
 @pytest.mark.parametrize("shape", ["qkv_r16", "gate_up_r64"])
 def test_prefill_expands_need_a_16_byte_aligned_v(shape):
     """sgmv_expand at 4100 rows on a bf16 v that starts 8 bytes past a 16-byte boundary (contiguous, 4-element
-    aligned): the tall kernel takes it (the flat and register expands copy v in 16-byte chunks), with the bits of the
-    flat (R = 16) or register (R = 64) expand on the aligned copy of the same v."""
+    aligned): the tall kernel takes it (the flat, warpgroup-MMA and register expands copy v in 16-byte chunks), with
+    the bits of the flat (R = 16) or warpgroup-MMA (R = 64) expand on the aligned copy of the same v."""
     R, widths, ranks = SHAPES[shape]
     g = torch.Generator().manual_seed(77 + list(SHAPES).index(shape))
     a, b, offs, scal, x, base, v = _problem(g, torch.bfloat16, shape)
@@ -153,8 +163,8 @@ def test_prefill_expands_need_a_16_byte_aligned_v(shape):
 @pytest.mark.parametrize("shape", ["qkv_r16", "gate_up_r64"])
 def test_prefill_expands_take_permuted_rows_with_the_same_bits(shape):
     """The 4100-row segment and the rows of SEGMENTS in a permuted batch (segmented row i at physical row perm[i], as a
-    sorted batch has them): every row torch.equal to the batch in order, for the flat (R = 16) and register (R = 64)
-    expands, whose out rows are read and written through perm."""
+    sorted batch has them): every row torch.equal to the batch in order, for the flat (R = 16) and warpgroup-MMA
+    (R = 64) expands, whose out rows are read and written through perm."""
     R, widths, ranks = SHAPES[shape]
     g = torch.Generator().manual_seed(131 + list(SHAPES).index(shape))
     a, b, offs, scal, x, base, _ = _problem(g, torch.bfloat16, shape)
@@ -204,9 +214,9 @@ def test_chunked_prefill_step_takes_the_decode_plans_with_the_same_bits(shape):
     names_c = launched_sgmv_kernels(lambda: lk.apply_lora(x[:chunk], out_c, a, b, alone, offs, backend="cuda"))
     lk.sgmv_expand(v[:chunk], b, alone, offs, e_c, backend="cuda")
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
-        prefill = ("expand_regs", "expand_flat", "expand_tall", "wgmma")
+        prefill = ("expand_regs", "expand_flat", "expand_tall", "expand_wgmma", "shrink_wgmma")
         assert not any(p in k for k in names for p in prefill), names
-        assert any(p in k for k in names_c for p in prefill[:3]), names_c
+        assert any(p in k for k in names_c for p in prefill[:4]), names_c
     assert torch.equal(out[:chunk], out_c) and torch.equal(e[:chunk], e_c)
     assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
     for i in (chunk, chunk + 1, chunk + 31, n - 1):

@@ -1,5 +1,6 @@
 // The tensor-core expand for prefill (from kTallExpandRows rows of out, pool rank kFlatMaxR < R <= kRegsMaxR;
-// ops/sgmv_plan.h): independent warps that keep a B block's fragments in registers.
+// ops/sgmv_plan.h) where v is fp32 or the build has no sm_90a code (else kernels/sgmv_expand_wgmma.cuh, 7% faster a
+// layer at r64): independent warps that keep a B block's fragments in registers.
 //   out[row, n] += scaling[slot] * sum_{j<rank} v[row, i*R + j] * lora_b[slot, n, j]     n in slice i
 // A warp item is one work-list tile (16 rows) x kRegsCols = 64 columns of one slice. Items are numbered column tile
 // first, and each warp takes a contiguous run of them, so consecutive items share a column tile and, within a

@@ -1,5 +1,8 @@
 // Dispatch of the expand launchers over the dtype list (ops/dtypes.h).
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+
+#include <type_traits>
 
 #include "ops/dtypes.h"
 #include "ops/sgmv_run.h"
@@ -22,6 +25,14 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
           return;
         case ExpandKernel::regs:
           TORCH_CHECK(p.splits == 1, "sgmv_expand: the register expand reads one plane of v, got ", p.splits);
+          if constexpr (std::is_same_v<T, V>) {  // v of T on sm_90a: the warpgroup-MMA form, the same bits
+            cudaError_t err = cudaSuccess;
+            const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+            if (launch_expand_wgmma<T>(vp, bp, op, p, cfg, sms, err)) {
+              C10_CUDA_CHECK(err);
+              return;
+            }
+          }
           C10_CUDA_CHECK((launch_expand_regs<T, V>(vp, bp, op, p, cfg)));
           return;
         case ExpandKernel::tall:
