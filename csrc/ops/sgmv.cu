@@ -274,9 +274,10 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   const void* v = wsp;  // the planes, or their sum
   at::ScalarType v_dtype = at::kFloat;
   int planes = sp.splits;
-  if (sp.fold) {
-    // The shrink sums its splits in order itself. For the tensor-core expands v is rounded to x's dtype, as each
-    // rounds v for its MMAs: the same bits, half the bytes to read. The CUDA-core expand takes v in fp32.
+  if (sp.fold || (sp.wgmma && sp.splits == 1)) {
+    // Prefill: the shrink sums its splits in order itself, or has one. For the tensor-core expands v is rounded to
+    // x's dtype, as each rounds v for its MMAs: the same bits, half the bytes to read, and the warpgroup-MMA expand
+    // (which reads v of out's dtype) for R 17-64. The CUDA-core expand takes v in fp32.
     v_dtype = ep.kernel == ExpandKernel::simt ? at::kFloat : x.scalar_type();
     planes = 1;
   }
