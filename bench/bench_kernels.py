@@ -496,17 +496,17 @@ AUTO_CASES = [Case(16, "decode", 1, "distinct", 1), Case(16, "decode", 16, "unif
               Case(16, "decode", 64, "uniform", 32), Case(64, "decode", 256, "uniform", 32),
               Case(16, "decode", 64, "identical", 32), Case(64, "decode", 256, "identical", 32),
               Case(16, "prefill", 8, "distinct", 8), Case(64, "prefill", 8, "distinct", 8),
-              # a chunked-prefill step ("mixed"): a 1024-row chunk beside 63 decode rows, a sparse work list
+              # a chunked-prefill step ("chunked"): a 1024-row chunk beside 63 decode rows, a sparse work list
               Case(16, "mixed", 64, "uniform", 32), Case(64, "mixed", 64, "uniform", 32)]
 
 
 def tune_auto(args) -> dict:
     """The `auto` table: each case's infos are classified by auto.regime; per regime, the backend with the
     lowest geometric-mean layer time over its infos wins (Triton where the extension is missing)."""
-    from lora_kernels.backends import auto, tables
+    from lora_kernels.backends import auto, tables_io
 
     names = ["triton"] + (["cuda"] if lk.HAS_CUDA_EXT else [])
-    logs = {r: {b: [] for b in names} for r in tables.AUTO}
+    logs = {r: {b: [] for b in names} for r in tables_io.REGIMES}
     rows = []
     for case in AUTO_CASES:
         mods, infos = build_case(case)

@@ -37,6 +37,17 @@ def test_auto_table_names_every_regime_with_a_known_backend():
     assert {auto.regime(type("I", (), dict(num_segments=1, num_tokens=64, max_seg_len=64))())} == {"one_segment"}
 
 
+@pytest.mark.parametrize("segs, rows, longest, want", [
+    (64, 64, 1, "decode"), (12, 64, 9, "mixed"), (32, 256, 256, "mixed"), (64, 1087, 1024, "chunked"),
+    (2, 512, 511, "chunked"), (40, 511, 511, "mixed"), (8, 8192, 1024, "prefill"), (1, 2048, 2048, "one_segment")])
+def test_regime_tells_a_chunked_step_from_a_sorted_decode_batch(segs, rows, longest, want):
+    """Below 2048 rows, batches of 512 rows or more (a prefill chunk beside decode rows) are their own regime: the
+    backend that wins them is not the one that wins sorted decode batches. longest is max_seg_len, the token capacity
+    in graph mode (256 for a 256-row sorted decode batch there): rows decide, not it."""
+    info = type("I", (), dict(num_segments=segs, num_tokens=rows, max_seg_len=longest))()
+    assert auto.regime(info) == want
+
+
 def test_auto_choice_is_memoized_per_table(monkeypatch):
     """auto.choose remembers its answer per (device, regime) and starts over when the table object is replaced
     (a regenerated or patched table takes effect at once)."""

@@ -9,15 +9,22 @@ from lora_kernels.backends import tables
 
 ONE_SEGMENT_MIN_ROWS = 16
 PREFILL_ROWS = 2048
+# Batches of segments longer than one row, from this many rows below PREFILL_ROWS: a chunked-prefill step (a prefill
+# chunk beside decode rows) in practice, where sorted decode batches (short segments) stay below it. The kernels that
+# win the two differ, so each has its table entry. By rows, not max_seg_len: in graph mode that is the token capacity.
+CHUNKED_MIN_ROWS = 512
 
 
 def regime(info) -> str:
-    """decode (one row per segment), one_segment (one adapter, >= 16 rows), prefill (>= 2048 rows) or mixed."""
+    """decode (one row per segment), one_segment (one adapter, >= 16 rows), prefill (>= 2048 rows), chunked (>= 512
+    rows) or mixed (fewer: a sorted decode batch)."""
     if info.num_segments == 1 and info.num_tokens >= ONE_SEGMENT_MIN_ROWS:
         return "one_segment"
     if info.max_seg_len <= 1:
         return "decode"
-    return "prefill" if info.num_tokens >= PREFILL_ROWS else "mixed"
+    if info.num_tokens >= PREFILL_ROWS:
+        return "prefill"
+    return "chunked" if info.num_tokens >= CHUNKED_MIN_ROWS else "mixed"
 
 
 def choose(device: torch.device, info=None) -> str:

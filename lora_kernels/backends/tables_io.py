@@ -9,7 +9,7 @@ from pathlib import Path
 
 PATH = Path(__file__).with_name("tables.py")
 COMMAND = "python3 bench/bench_kernels.py --tune --write-tables"
-REGIMES = ("decode", "mixed", "prefill", "one_segment")
+REGIMES = ("decode", "mixed", "chunked", "prefill", "one_segment")
 
 
 def render(blocks: dict, auto: dict, device: str, date: str, command: str = COMMAND) -> str:
