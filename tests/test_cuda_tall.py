@@ -334,3 +334,31 @@ def test_16_row_ctas_of_many_items_have_the_one_row_bits(dtype, shape, permuted)
             assert torch.equal(out[rows], base[rows]) and torch.equal(e[rows], base[rows]), k
             continue
         _assert_alone_equal(int(perm[starts[k + 1] - 1]), slot, ranks, scal, x, v, a, b, offs, base, out, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_wide_16_row_expand_sums_the_planes_first_with_the_same_bits(dtype):
+    """600 rows in segments of several rows (the 16-row kernel at R = 64), 2 x 14336 columns (224 column tiles) and a
+    split K: from 512 rows apply_lora sums v's planes in a kernel of their own before the expand (sgmv_plan.h,
+    kReduceFirstRowsMma); below, the expand sums them in each column tile. The first 162 rows alone (the latter)
+    torch.equal to the same rows in the 600-row batch (the former); right against float64; slot -1 rows untouched."""
+    R, widths, ranks = MANY["r64"]
+    g = torch.Generator().manual_seed(307 + (dtype == torch.float16))
+    a, b, offs = _weights(g, dtype, 1024, R, widths, ranks)
+    scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
+    seg_lens, slots = [37, 5, 120, 64, 1, 200, 33, 140], [2, -1, 0, 5, 3, 1, -1, 2]
+    n, head = sum(seg_lens), sum(seg_lens[:3])
+    x = torch.randn(n, 1024, generator=g).to(dtype).cuda()
+    base = torch.randn(n, offs[-1], generator=g).to(dtype).cuda()
+    info, info_head = _info(seg_lens, slots, ranks, scal), _info(seg_lens[:3], slots[:3], ranks, scal)
+    out, out_head = base.clone(), base[:head].clone()
+    names = launched_sgmv_kernels(lambda: lk.apply_lora(x, out, a, b, info, offs, backend="cuda"))
+    names_head = launched_sgmv_kernels(lambda: lk.apply_lora(x[:head], out_head, a, b, info_head, offs, backend="cuda"))
+    if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
+        assert any("expand_mma" in k for k in names) and any("reduce" in k for k in names), names
+        assert any("expand_mma" in k for k in names_head) and not any("reduce" in k for k in names_head), names_head
+    assert torch.equal(out[:head], out_head)
+    starts = np.concatenate([[0], np.cumsum(seg_lens)])
+    for k in (1, 6):  # slot -1
+        assert torch.equal(out[starts[k]:starts[k + 1]], base[starts[k]:starts[k + 1]])
+    assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]

@@ -285,10 +285,13 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
              make_cfg(shrink_items_upper(sp, max_tiles), sp.ctas_per_sm, pdl_first));
   // Planes are left only below kPrefillRows rows: the shrink folds its splits from there on, where the register and
   // tall expands run (sgmv_plan.h asserts it). The streaming warps read one plane: from kReduceFirstRowsStream rows
-  // the planes are summed once first (same order, same bits), rounded as above; the other expands sum them in every
-  // column tile.
+  // the planes are summed once first (same order, same bits), rounded as above, as for the 16-row kernel's wide
+  // modules of kReduceFirstRowsMma rows or more; the other expands sum them in every column tile.
   at::Tensor v_sum;
-  if (planes > 1 && ep.kernel == ExpandKernel::stream && x.size(0) >= kReduceFirstRowsStream) {
+  const bool reduce_first =
+      (ep.kernel == ExpandKernel::stream && x.size(0) >= kReduceFirstRowsStream) ||
+      (ep.kernel == ExpandKernel::mma && x.size(0) >= kReduceFirstRowsMma && ep.n_tiles >= kReduceFirstTilesMma);
+  if (planes > 1 && reduce_first) {
     v_sum = at::empty({x.size(0), lora_a.size(1)}, x.options());
     run_split_reduce(wsp, v_sum.data_ptr(), v_sum.scalar_type(), p, make_cfg(max_tiles, 4));
     v = v_sum.data_ptr();

@@ -38,6 +38,13 @@ constexpr int64_t kPrefillRows = 1024;
 // single plane without summing. H100, layer µs, sorted: r16 256x1 uniform 86.5 -> 84.0, 256x1 identical 64.2 -> 57.8;
 // 64x1 uniform measured 54.6 -> 57.1 from 32 rows. Not for the 16-row kernel: r64 256x1 uniform 187 -> 190.
 constexpr int64_t kReduceFirstRowsStream = 128;
+// The 16-row kernel (kernels/sgmv_expand_mma.cuh) sums the planes in each of its column tiles: where v's planes feed it
+// in kReduceFirstTilesMma column tiles or more (gate_up: 224) from kReduceFirstRowsMma rows, sgmv_apply sums them once
+// first too. H100, layer µs (bench A/B in two orders, 2026-11-28, r64): chunked step 1024+63x1 uniform sorted 354-357
+// -> 338-339, unsorted 414-418 -> 398-400 (Triton 304-307 / 375-381); at 256 rows 256x1 identical sorted 75.9-76.0 ->
+// 77.5-77.7, uniform sorted 165-166 -> 166-167, hence from 512 rows.
+constexpr int64_t kReduceFirstRowsMma = 512;
+constexpr int kReduceFirstTilesMma = 64;
 // The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
 // choice keeps batch invariance): where prefill_plan holds from kTallExpandRows rows and v is 16-byte aligned, one
 // short CTA per 64-row x 128-column item up to R = kFlatMaxR (kernels/sgmv_expand_flat.cuh), up to R = kRegsMaxR one
