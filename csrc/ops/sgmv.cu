@@ -283,10 +283,11 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   }
   run_shrink(x, lora_a, wsp, v_dtype, planes > 1 ? wsp : nullptr, p, sp,
              make_cfg(shrink_items_upper(sp, max_tiles), sp.ctas_per_sm, pdl_first));
-  // Planes are left only below kPrefillRows rows: the shrink folds its splits from there on, where the register and
-  // tall expands run (sgmv_plan.h asserts it). The streaming warps read one plane: from kReduceFirstRowsStream rows
-  // the planes are summed once first (same order, same bits), rounded as above, as for the 16-row kernel's wide
-  // modules of kReduceFirstRowsMma rows or more; the other expands sum them in every column tile.
+  // Planes are left only where prefill_plan does not hold (below kPrefillRows rows, or a sparse work list such as a
+  // chunked-prefill step's): where it holds, the shrink folds its splits and the prefill expands run (sgmv_plan.h
+  // asserts it). The streaming warps read one plane: from kReduceFirstRowsStream rows the planes are summed once first
+  // (same order, same bits), rounded as above, as they are for the 16-row kernel's wide modules from
+  // kReduceFirstRowsMma rows; the other expands sum them in every column tile.
   at::Tensor v_sum;
   const bool reduce_first =
       (ep.kernel == ExpandKernel::stream && x.size(0) >= kReduceFirstRowsStream) ||
