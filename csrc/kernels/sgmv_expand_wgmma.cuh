@@ -114,10 +114,9 @@ __global__ void __launch_bounds__(kWxThreads)
     sgmv_expand_wgmma_kernel(const T* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
 #if WGMMA_ENABLED
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t base = smem_addr(smem_raw);
-  T* vs = reinterpret_cast<T*>(smem_raw + ((1024 - base % 1024) % 1024));  // [64][kMmaBK], swizzled
-  T* bs = vs + 64 * kMmaBK;                                                 // [64][kMmaBK], swizzled
-  T* os = bs + 64 * kMmaBK;                                                 // [kWxRows][kWxOutLd]
+  T* vs = reinterpret_cast<T*>(smem_raw + swizzle_pad(smem_raw));  // [64][kMmaBK], swizzled
+  T* bs = vs + 64 * kMmaBK;                                         // [64][kMmaBK], swizzled
+  T* os = bs + 64 * kMmaBK;                                         // [kWxRows][kWxOutLd]
   __shared__ int rows_sm[kWxRows];
   __shared__ TileInfo tis[kWxTiles];
   griddep_launch_dependents();
@@ -135,16 +134,13 @@ __global__ void __launch_bounds__(kWxThreads)
 #endif
 }
 
-// One CTA per item of the capacity (bounded as the flat expand's grid), where this build has the sm_90a code; false,
-// having launched nothing, otherwise.
+// One CTA per item of the capacity (bounded as the flat expand's grid); the caller checks that this build has the
+// sm_90a code (has_sm90_code), as for the wgmma shrink.
 template <typename T>
-bool launch_expand_wgmma(const T* v, const T* b, T* out, const ExpandArgs& p, LaunchCfg cfg, int sms,
-                         cudaError_t& err) {
-  if (!has_sm90_code<sgmv_expand_wgmma_kernel<T>>()) return false;
+cudaError_t launch_expand_wgmma(const T* v, const T* b, T* out, const ExpandArgs& p, LaunchCfg cfg, int sms) {
   const int64_t items = (p.w.max_tiles + kWxTiles - 1) / kWxTiles * int64_t{p.n_tiles};
   cfg.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t{4096} * sms)));
-  err = launch_kernel<sgmv_expand_wgmma_kernel<T>>(cfg, kWxThreads, kWxSmemBytes, v, b, out, p);
-  return true;
+  return launch_kernel<sgmv_expand_wgmma_kernel<T>>(cfg, kWxThreads, kWxSmemBytes, v, b, out, p);
 }
 
 }  // namespace lora_kernels

@@ -169,9 +169,8 @@ __global__ void __launch_bounds__(kWgThreads)
     sgmv_shrink_wgmma_kernel(const T* __restrict__ x, const T* __restrict__ a, V* __restrict__ v, ShrinkArgs p) {
 #if WGMMA_ENABLED
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t base = smem_addr(smem_raw);
-  T* xs = reinterpret_cast<T*>(smem_raw + ((1024 - base % 1024) % 1024));  // [stages][64 * kMmaBK]
-  T* wt = xs + ST * kWgRows * kMmaBK;                                      // [stages][64 * kMmaBK]
+  T* xs = reinterpret_cast<T*>(smem_raw + swizzle_pad(smem_raw));  // [stages][64 * kMmaBK]
+  T* wt = xs + ST * kWgRows * kMmaBK;                               // [stages][64 * kMmaBK]
   __shared__ int rows_sm[kWgRows];
   __shared__ TileInfo tis[kWgTiles];
   griddep_launch_dependents();

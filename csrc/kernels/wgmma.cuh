@@ -29,6 +29,10 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* tile) {
   return d;
 }
 
+// Bytes from dynamic shared memory at `smem` to its first 1024-byte aligned address (the 128-byte swizzle's period:
+// wgmma_desc's tiles start there); the launch asks for 1024 bytes more than the tiles take.
+__device__ __forceinline__ uint32_t swizzle_pad(const void* smem) { return (1024 - smem_addr(smem) % 1024) % 1024; }
+
 __device__ __forceinline__ void wgmma_fence() {
 #if WGMMA_ENABLED
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -26,10 +26,9 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
         case ExpandKernel::regs:
           TORCH_CHECK(p.splits == 1, "sgmv_expand: the register expand reads one plane of v, got ", p.splits);
           if constexpr (std::is_same_v<T, V>) {  // v of T on sm_90a: the warpgroup-MMA form, the same bits
-            cudaError_t err = cudaSuccess;
-            const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-            if (launch_expand_wgmma<T>(vp, bp, op, p, cfg, sms, err)) {
-              C10_CUDA_CHECK(err);
+            if (has_sm90_code<sgmv_expand_wgmma_kernel<T>>()) {
+              const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+              C10_CUDA_CHECK(launch_expand_wgmma<T>(vp, bp, op, p, cfg, sms));
               return;
             }
           }
