@@ -27,9 +27,10 @@ bool has_sm90_code() {
   return ok;
 }
 
-// cudaFuncSetAttribute for dynamic shared memory above 48 KB, once per kernel and device.
-template <auto Kernel>
-cudaError_t allow_dynamic_smem(int bytes) {
+// cudaFuncSetAttribute(Kernel, Attr, value), once per kernel, attribute and device (the value is the same on every
+// call).
+template <auto Kernel, cudaFuncAttribute Attr>
+cudaError_t set_attribute_once(int value) {
   static std::mutex mu;
   static std::vector<bool> done;
   int dev = 0;
@@ -38,11 +39,24 @@ cudaError_t allow_dynamic_smem(int bytes) {
   std::lock_guard<std::mutex> lock(mu);
   if (static_cast<int>(done.size()) <= dev) done.resize(dev + 1, false);
   if (!done[dev]) {
-    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    err = cudaFuncSetAttribute(Kernel, Attr, value);
     if (err != cudaSuccess) return err;
     done[dev] = true;
   }
   return cudaSuccess;
+}
+
+// Dynamic shared memory above 48 KB.
+template <auto Kernel>
+cudaError_t allow_dynamic_smem(int bytes) {
+  return set_attribute_once<Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(bytes);
+}
+
+// The largest shared-memory carveout: without it the driver may configure less shared memory than the CTAs that a
+// kernel's __launch_bounds__ asks for need.
+template <auto Kernel>
+cudaError_t prefer_max_smem() {
+  return set_attribute_once<Kernel, cudaFuncAttributePreferredSharedMemoryCarveout>(cudaSharedmemCarveoutMaxShared);
 }
 
 // CTAs of `Kernel` (threads, smem bytes of dynamic shared memory, the same on every call) that one SM holds at once,

@@ -40,9 +40,10 @@
 namespace lora_kernels {
 
 constexpr int kFlatWarps = 4, kFlatThreads = 32 * kFlatWarps, kFlatCols = 32 * kFlatWarps;
-// 6 CTAs an SM (77 registers). 7 (72 registers, no spills; 5.25 -> 4.5 waves of the o and down items) measured level:
-// r16 prefill 8x1024 695-697 against 696-697 µs a layer (H100, two orders, thirty-first session).
-constexpr int kFlatTiles = 4, kFlatRows = kFlatTiles * kTileM, kFlatMinCtas = 6;
+// 7 CTAs an SM (72 registers, no spills; the launch asks for the largest shared-memory carveout, which 7 CTAs need):
+// r16 prefill 8x1024 538-539 -> 533 µs a layer against 6 CTAs (77 registers; H200, two orders, thirty-third session);
+// on the H100 7 measured level, 695-697 against 696-697 (thirty-first session). 8 do not fit in shared memory.
+constexpr int kFlatTiles = 4, kFlatRows = kFlatTiles * kTileM, kFlatMinCtas = 7;
 constexpr int kFlatMaxR = 16;                     // one k16 step (the measured form; see above for r64)
 constexpr int kFlatLd = 48;                       // bytes per row of B and v in shared memory: 32 + 16 of padding
 constexpr int kFlatOutLd = 2 * kFlatCols + 64;    // bytes per staged out row: 64 of padding, no bank conflicts
@@ -222,6 +223,8 @@ __global__ void __launch_bounds__(kFlatThreads, kFlatMinCtas)
 
 template <typename T, typename V>
 cudaError_t launch_expand_flat(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
+  const cudaError_t err = prefer_max_smem<sgmv_expand_flat_kernel<T, V>>();
+  if (err != cudaSuccess) return err;
   return launch_kernel<sgmv_expand_flat_kernel<T, V>>(cfg, kFlatThreads, kFlatSmemBytes, v, b, out, p);
 }
 

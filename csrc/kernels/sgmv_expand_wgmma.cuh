@@ -109,8 +109,12 @@ __device__ __forceinline__ void wx_block(const T* v, const T* b, T* out, const E
   wx_epilogue<T>(acc, os, out, p, rows_sm, n0, n_end, p.scalings[ti.slot]);
 }
 
+// 8 CTAs an SM (64 registers, no spills; with the largest shared-memory carveout): r64 prefill 8x1024 690-692 ->
+// 682-684 µs a layer against 7 (70 registers; H200, two orders, thirty-third session).
+constexpr int kWxMinCtas = 8;
+
 template <typename T>
-__global__ void __launch_bounds__(kWxThreads)
+__global__ void __launch_bounds__(kWxThreads, kWxMinCtas)
     sgmv_expand_wgmma_kernel(const T* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
 #if WGMMA_ENABLED
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -140,6 +144,8 @@ template <typename T>
 cudaError_t launch_expand_wgmma(const T* v, const T* b, T* out, const ExpandArgs& p, LaunchCfg cfg, int sms) {
   const int64_t items = (p.w.max_tiles + kWxTiles - 1) / kWxTiles * int64_t{p.n_tiles};
   cfg.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t{4096} * sms)));
+  const cudaError_t err = prefer_max_smem<sgmv_expand_wgmma_kernel<T>>();
+  if (err != cudaSuccess) return err;
   return launch_kernel<sgmv_expand_wgmma_kernel<T>>(cfg, kWxThreads, kWxSmemBytes, v, b, out, p);
 }
 
