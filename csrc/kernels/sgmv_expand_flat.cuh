@@ -158,7 +158,7 @@ __device__ __forceinline__ void flat_item(const V* v, const T* b, T* out, const 
   unsigned char* const os = vs + kFlatRows * kFlatLd;  // [kFlatRows][kFlatOutLd]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int ct = item % p.n_tiles, t0 = item / p.n_tiles * kFlatTiles, sl = slice_of(p, ct);
-  const int n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kFlatCols, n_end = pick(p.offsets, sl + 1);
+  const int n0 = tile_col0(p, sl, ct, kFlatCols), n_end = pick(p.offsets, sl + 1);
   TileInfo ti[kFlatTiles];  // rows first: the out copy starts before the ranks arrive
 #pragma unroll
   for (int q = 0; q < kFlatTiles; ++q) ti[q] = t0 + q >= tiles ? TileInfo{-1, 0, 0, 0} : load_tile_rows(p.w, t0 + q);

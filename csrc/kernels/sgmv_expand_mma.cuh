@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(32 * W, W == kExpandWarpsRows ? kExpandCtasPer
     it.ti = load_tile(p.w, item / p.n_tiles, p.R);
     if (it.ti.slot < 0) continue;  // block-uniform
     const int ct = item % p.n_tiles, sl = slice_of(p, ct);
-    it.n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kExpandBN;
+    it.n0 = tile_col0(p, sl, ct, kExpandBN);
     it.n_end = pick(p.offsets, sl + 1);
     it.vcol0 = sl * p.R;
     __syncthreads();  // the previous item is done with rows_sm and out_sm

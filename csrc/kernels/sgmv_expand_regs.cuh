@@ -93,7 +93,7 @@ __device__ __forceinline__ RegsItem regs_item(const ExpandArgs& p, int item, int
   ti.rows = __shfl_sync(0xffffffffu, m.ti.rows, src);
   const int ct = item / tiles, sl = slice_of(p, ct);
   row = ti.slot >= 0 && lane < kTileM ? tile_row(p.w, ti, lane) : -1;
-  return RegsItem{ti.slot, ti.rank, ct, pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kRegsCols,
+  return RegsItem{ti.slot, ti.rank, ct, tile_col0(p, sl, ct, kRegsCols),
                   pick(p.offsets, sl + 1), sl * p.R};
 }
 

@@ -88,7 +88,7 @@ __device__ __forceinline__ StreamItem stream_cursor_item(const StreamCursor& c, 
   const int sl = slice_of(p, c.ct);
   row = c.row;
   return StreamItem{c.ti.slot, c.ti.rank, c.tile, sl,
-                    pick(p.offsets, sl) + (c.ct - pick(p.tile_start, sl)) * kStreamCols, pick(p.offsets, sl + 1)};
+                    tile_col0(p, sl, c.ct, kStreamCols), pick(p.offsets, sl + 1)};
 }
 // Past the item just issued; loads the next tile's metadata where the column tiles wrap and `more` items follow.
 __device__ __forceinline__ void stream_cursor_next(StreamCursor& c, const ExpandArgs& p, int lane, bool more) {

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kExpandThreads, 2)
   const int total = (n + kTallTiles - 1) / kTallTiles * p.n_tiles;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int ct = item % p.n_tiles, sl = slice_of(p, ct);
-    const int n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kExpandBN;
+    const int n0 = tile_col0(p, sl, ct, kExpandBN);
     __syncthreads();  // the previous item is done with g and out_sm
     tall_fill_group(g, p.w, item / p.n_tiles * kTallTiles, n, p.R);
     __syncthreads();

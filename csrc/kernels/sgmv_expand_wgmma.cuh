@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kWxThreads, kWxMinCtas)
   const int total = (tiles + kWxTiles - 1) / kWxTiles * p.n_tiles;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int ct = item % p.n_tiles, t0 = item / p.n_tiles * kWxTiles, sl = slice_of(p, ct);
-    const int n0 = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kWxCols, n_end = pick(p.offsets, sl + 1);
+    const int n0 = tile_col0(p, sl, ct, kWxCols), n_end = pick(p.offsets, sl + 1);
     for_each_slot_run<kWxTiles>(
         tis, rows_sm, p.w, p.R, tiles, t0, [](const TileInfo& ti) { return ti.slot < 0; },
         [&](const TileInfo& ti) { wx_block<T>(v, b, out, p, ti, rows_sm, vs, bs, os, sl, n0, n_end, waited); });

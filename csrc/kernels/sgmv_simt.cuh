@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kSimtThreads)
     const TileInfo ti = load_tile(p.w, item / p.n_tiles, p.R);
     if (ti.slot < 0) continue;  // block-uniform
     const int ct = item % p.n_tiles, sl = slice_of(p, ct);
-    const int n = pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * kSimtExpandBN + threadIdx.x;
+    const int n = tile_col0(p, sl, ct, kSimtExpandBN) + threadIdx.x;
     const bool col_ok = n < pick(p.offsets, sl + 1);
     const T* brow = b + (static_cast<int64_t>(ti.slot) * p.out_total + (col_ok ? n : 0)) * p.R;
     const float scale = p.scalings[ti.slot];

@@ -127,4 +127,9 @@ __device__ __forceinline__ int slice_of(const ExpandArgs& p, int ct) {
   return slice_at(p.tile_start, p.num_slices, ct);
 }
 
+// The first output column of column tile ct (of `cols` columns) of slice sl (slice_of(p, ct)).
+__device__ __forceinline__ int tile_col0(const ExpandArgs& p, int sl, int ct, int cols) {
+  return pick(p.offsets, sl) + (ct - pick(p.tile_start, sl)) * cols;
+}
+
 }  // namespace lora_kernels
