@@ -373,6 +373,89 @@ def test_gpu_fast_launch_reuse_and_alignment(monkeypatch):
 
 
 @GPU
+def test_gpu_eager_workspace_reuse_keeps_every_calls_bits():
+    """Eager calls take their split-K workspace from one buffer per (thread, stream) (triton/__init__.py _workspace),
+    grown when a bigger batch needs more: a call between two others of another size, on the same stream and on a
+    second one, and from a second thread, gives each batch the bits it gets alone; a graph capture takes its own."""
+    import threading
+
+    from lora_kernels.backends import triton as tb
+
+    rng = np.random.default_rng(29)
+    small, big = (make_case(rng, num_slots=4, max_rank=16, slice_widths=(64, 32), in_dim=1024, seg_lens=lens,
+                            slots=slots, dtype=torch.bfloat16, device="cuda")
+                  for lens, slots in (([1, 1], [0, 3]), ([7, 20, 9, 12], [1, 0, 3, 2])))
+
+    def run(case):
+        out = case.base.clone()
+        lk.apply_lora(case.x, out, case.lora_a, case.lora_b, case.info, case.slice_offsets, backend="triton")
+        return out
+
+    tb._ws.clear()
+    first_small, first_big = run(small), run(big)
+    assert len(tb._ws) == 1  # one (thread, device, stream) buffer, grown for the big batch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = [run(small), run(big), run(small)]
+    torch.cuda.current_stream().wait_stream(side)
+    results = {}
+    worker = threading.Thread(target=lambda: results.setdefault("t", [run(big), run(small)]))
+    worker.start()
+    worker.join()
+    torch.cuda.synchronize()
+    assert len(tb._ws) == 3
+    for got, want in zip(on_side + results["t"] + [run(small)],
+                         [first_small, first_big, first_small, first_big, first_small, first_small]):
+        assert torch.equal(got, want)
+    graph, out = torch.cuda.CUDAGraph(), small.base.clone()
+    with torch.cuda.graph(graph):
+        lk.apply_lora(small.x, out, small.lora_a, small.lora_b, small.info, small.slice_offsets, backend="triton")
+    assert len(tb._ws) == 3  # the capture allocated from its graph's pool
+    out.copy_(small.base)
+    graph.replay()
+    assert torch.equal(out, first_small)
+    check_case(big, truth=Reference64)
+
+
+def test_c_launch_only_for_the_scratch_free_triton_36_launcher():
+    """launch.py calls a compiled launcher's C launch directly only where its __call__ is Triton 3.6's (which adds
+    the cooperative and PDL flags and two scratch buffers, None when the kernel needs none): the argument order the
+    direct call assumes. Another form, or a kernel with scratch memory, keeps __call__."""
+    import importlib
+
+    launch = importlib.import_module("lora_kernels.backends.triton.launch")
+    seen = []
+
+    class Launcher36:
+        launch_cooperative_grid, launch_pdl = False, True
+        global_scratch_size = profile_scratch_size = 0
+
+        def launch(self, *args):
+            seen.append(args)
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None,
+                        None, *args)
+
+    class LauncherOther(Launcher36):
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
+            raise AssertionError("not called")
+
+    run = Launcher36()
+    c = launch._c_launch(run)
+    assert c is not None and c[1:] == (False, True)
+    run(1, 2, 3, "s", "f", "meta", None, None, None, 7, 8)
+    c[0](1, 2, 3, "s", "f", c[1], c[2], None, None, "meta", None, None, None, 7, 8)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert launch._c_launch(LauncherOther()) is None
+    scratch = Launcher36()
+    scratch.global_scratch_size = 256
+    assert launch._c_launch(scratch) is None
+    assert launch._c_launch(object()) is None
+
+
+@GPU
 def test_gpu_fast_launch_skips_the_runner_unless_a_hook_is_registered(monkeypatch):
     """Cached launches call Triton's C launch directly (no launch metadata, no hook calls); while a launch hook is
     registered (a profiler) they go through the runner, so the hook sees every launch. All give the first call's

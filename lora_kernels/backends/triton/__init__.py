@@ -17,6 +17,8 @@ shapes only (plan.py), launches from cached compiled kernels (launch.py).
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +118,28 @@ def _sync_counters(max_tiles: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+# fp32 workspaces of eager calls up to this many elements (decode batches) come from one buffer per (thread, device,
+# stream), grown on demand: torch.empty cost ~3 of an eager call's ~26 µs of host time (host_breakdown.py, H200).
+_WS_KEEP = 1 << 20
+_ws: dict = {}
+
+
+def _workspace(shape: tuple, device: torch.device) -> torch.Tensor:
+    """An fp32 tensor of at least prod(shape) elements for one call's kernels, which use only its address. One buffer
+    reused by the calls of a thread on a stream is what the caching allocator gives consecutive calls there: each
+    call's kernels run after the previous call's on that stream (under PDL a kernel writes only after gdc_wait, i.e.
+    after its predecessor grid completed). Per thread: two threads interleaving launches on one stream never share it.
+    Larger workspaces (prefill) and graph captures (whose pool holds what the graph uses) take torch.empty."""
+    n = math.prod(shape)
+    if n > _WS_KEEP or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    key = (threading.get_ident(), device.index, _raw_stream(device.index))
+    buf = _ws.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _ws[key] = torch.empty(max(n, 4096), dtype=torch.float32, device=device)
+    return buf
+
+
 def _apply_recipe(x, lora_a, lora_b, info, slice_offsets, path: tuple, assign: bool = False) -> _Recipe:
     """assign (tall path only): the expand writes the delta instead of adding it (`TritonBackend.lora_delta`)."""
     S, R, NR, rows, dev = len(slice_offsets) - 1, lora_b.shape[2], lora_a.shape[1], x.shape[0], x.device
@@ -166,7 +190,7 @@ class TritonBackend:
         if r.mode == "direct":
             r.steps[0](x, lora_a, out, work, info.lora_ranks, perm)
             return
-        ws = torch.empty(r.ws, dtype=torch.float32, device=x.device)
+        ws = _workspace(r.ws, x.device)
         r.steps[0](x, lora_a, ws, work, info.lora_ranks, perm)
         r.steps[1](ws, out, work, info.lora_ranks, perm)
 
@@ -205,7 +229,7 @@ class TritonBackend:
         if r.mode == "tall":
             _run_tall(r, x, base_out, lora_a, lora_b, info, work, perm)
             return
-        ws = torch.empty(r.ws, dtype=torch.float32, device=x.device)
+        ws = _workspace(r.ws, x.device)
         if r.mode == "fused":
             r.steps[0](x, lora_a, lora_b, base_out, ws, _sync_counters(info.max_tiles, x.device), work, ranks,
                        info.scalings, perm)
