@@ -7,9 +7,9 @@ That skips the CompiledKernel runner, which builds a launch-metadata dict and ha
 hook chains on every launch even when they are empty (µs per launch); while a hook is registered (a profiler
 such as proton), launches go through the runner so that it sees them. Where the launcher is Triton 3.6's form and
 the kernel needs no scratch memory, the launcher's own C launch is called directly (`_c_launch`): its Python
-wrapper only allocates scratch buffers, and costs ~2 µs a launch (host_breakdown.py: 7.1 µs a cached launch). The cache key holds what Triton
-specializes on and the plan does not already fix: each pointer's 16-byte alignment, the device, the
-grid and the caller's variant tag. Never under TRITON_INTERPRET (there every launch is interpreted).
+wrapper only allocates scratch buffers, and costs ~2 µs a launch (host_breakdown.py: 7.1 µs a cached launch).
+The cache key holds what Triton specializes on and the plan does not already fix: each pointer's 16-byte
+alignment, the device, the grid and the caller's variant tag. Never under TRITON_INTERPRET (there every launch is interpreted).
 """
 
 from __future__ import annotations
