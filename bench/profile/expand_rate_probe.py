@@ -1,7 +1,7 @@
 """The prefill expand's streaming rate and fixed cost a launch, per pool rank: out += expand(v) alone for 8192 rows
 in 8 segments of 1024 (distinct slots), bf16 v, over modules of 4096 to 28672 output columns, CUDA-graph replay with
-two rotating out / v sets (each out larger than L2), beside a D2D copy of out's bytes (one launch, timed the same
-way). Prints µs per expand, out's read + write GB/s, and a least-squares fit µs = fixed + bytes / rate per rank.
+two rotating out / v sets (each out larger than L2), beside a D2D copy of out's bytes and an in-place elementwise
+pass over out (one launch each, timed the same way). Prints µs per expand, out's read + write GB/s, and a least-squares fit µs = fixed + bytes / rate per rank.
 Why: the shrink stride probe (shrink_stride_probe.py) found the prefill shrink at the copy's rate plus ~4.4 µs a
 launch; ncu figures put the r64 wgmma expand near 3.0 TB/s and the r16 flat expand near 3.9 TB/s.
 
@@ -40,9 +40,11 @@ def probe(rank: int, widths: tuple, rows: int = 8192, seg: int = 1024) -> dict:
     us = common.time_graph_us(fns, inner=20, reps=30)
     src, dst = outs[0].clone(), outs[1]
     copy_us = common.time_graph_us(lambda: dst.copy_(src), inner=20, reps=30)
+    # out read and written in place by torch's elementwise kernel: the in-place stream the expand makes, no LoRA
+    inplace_us = common.time_graph_us([lambda i=i: outs[i].mul_(1.0) for i in range(2)], inner=20, reps=30)
     nbytes = 2 * rows * total * 2  # out read and written
     return {"rank": rank, "out_cols": total, "us": round(us, 2), "rmw_gbs": round(nbytes / us / 1e3, 0),
-            "copy_us": round(copy_us, 2)}
+            "copy_us": round(copy_us, 2), "inplace_us": round(inplace_us, 2)}
 
 
 def fit(rows: list[dict]) -> tuple[float, float]:
@@ -65,7 +67,7 @@ def main() -> None:
     copy = common.copy_bandwidth_gbs()
     rows = [{**probe(int(r), w), "module": m, "env": args.env} for r in args.ranks.split(",")
             for m, w in WIDTHS.items()]
-    common.print_table(rows, ["rank", "module", "out_cols", "us", "rmw_gbs", "copy_us", "env"])
+    common.print_table(rows, ["rank", "module", "out_cols", "us", "rmw_gbs", "copy_us", "inplace_us", "env"])
     print(f"# copy bandwidth {copy:.0f} GB/s (read + write)")
     for r in args.ranks.split(","):
         fixed, rate = fit([x for x in rows if x["rank"] == int(r)])
