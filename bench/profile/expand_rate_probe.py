@@ -2,8 +2,9 @@
 in 8 segments of 1024 (distinct slots), bf16 v, over modules of 4096 to 28672 output columns, CUDA-graph replay with
 two rotating out / v sets (each out larger than L2), beside a D2D copy of out's bytes and an in-place elementwise
 pass over out (one launch each, timed the same way). Prints µs per expand, out's read + write GB/s, and a
-least-squares fit µs = fixed + bytes / rate per rank. Why: the shrink stride probe (shrink_stride_probe.py) found the prefill shrink at the copy's rate plus ~4.4 µs a
-launch; ncu figures put the r64 wgmma expand near 3.0 TB/s and the r16 flat expand near 3.9 TB/s.
+least-squares fit µs = fixed + bytes / rate per rank. Why: the shrink stride probe (shrink_stride_probe.py) found
+the prefill shrink at the copy's rate plus ~4.4 µs a launch; ncu figures put the r64 wgmma expand near 3.0 TB/s and
+the r16 flat expand near 3.9 TB/s.
 
     python bench/profile/expand_rate_probe.py [--ranks 16,64] [--env LK_X=1]
 """
