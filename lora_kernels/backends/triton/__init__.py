@@ -120,7 +120,7 @@ def _sync_counters(max_tiles: int, device: torch.device) -> torch.Tensor:
 
 # fp32 workspaces of eager calls up to this many elements (decode batches) come from one buffer per (thread, device,
 # stream), grown on demand: torch.empty cost ~3 of an eager call's ~26 µs of host time (host_breakdown.py, H200).
-_WS_KEEP = 1 << 20
+_WS_KEEP, _WS_KEYS = 1 << 20, 64
 _ws: dict = {}
 
 
@@ -136,6 +136,8 @@ def _workspace(shape: tuple, device: torch.device) -> torch.Tensor:
     key = (threading.get_ident(), device.index, _raw_stream(device.index))
     buf = _ws.get(key)
     if buf is None or buf.numel() < n:
+        if buf is None and len(_ws) >= _WS_KEYS:  # threads come and go: drop the buffers rather than grow without
+            _ws.clear()                           # bound (a dropped one returns to the allocator in stream order)
         buf = _ws[key] = torch.empty(max(n, 4096), dtype=torch.float32, device=device)
     return buf
 
