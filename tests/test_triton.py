@@ -418,10 +418,11 @@ def test_gpu_eager_workspace_reuse_keeps_every_calls_bits():
     check_case(big, truth=Reference64)
 
 
-def test_c_launch_only_for_the_scratch_free_triton_36_launcher():
+def test_c_launch_only_for_the_scratch_free_triton_36_launcher(monkeypatch):
     """launch.py calls a compiled launcher's C launch directly only where its __call__ is Triton 3.6's (which adds
-    the cooperative and PDL flags and two scratch buffers, None when the kernel needs none): the argument order the
-    direct call assumes. Another form, or a kernel with scratch memory, keeps __call__."""
+    the cooperative and PDL flags and two scratch buffers, None when the kernel needs none). A cached launch through
+    launch.launch then hands the C launch exactly what __call__ would; another form, or a kernel with scratch
+    memory, keeps __call__."""
     import importlib
 
     launch = importlib.import_module("lora_kernels.backends.triton.launch")
@@ -442,11 +443,25 @@ def test_c_launch_only_for_the_scratch_free_triton_36_launcher():
         def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
             raise AssertionError("not called")
 
+    class Tensor:  # what launch() reads of a tensor
+        device = torch.device("cuda", 0)
+
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def data_ptr(self):
+            return self.ptr
+
+    monkeypatch.setattr(launch, "FAST", True)
+    monkeypatch.setattr(launch, "_hooks_empty", lambda: True)
+    monkeypatch.setattr(launch, "_raw_stream", lambda dev: "stream")
     run = Launcher36()
     c = launch._c_launch(run)
     assert c is not None and c[1:] == (False, True)
-    run(1, 2, 3, "s", "f", "meta", None, None, None, 7, 8)
-    c[0](1, 2, 3, "s", "f", c[1], c[2], None, None, "meta", None, None, None, 7, 8)
+    tensors, grid = (Tensor(4096), Tensor(8192)), (6,)
+    runs = {("tag", 0, grid): (None, ("const",), run, (6, 1, 1), "function", "meta", c)}
+    launch.launch(None, runs, "tag", grid, tensors, (7, 8), {})
+    run(6, 1, 1, "stream", "function", "meta", None, None, None, 4096, 8192, 7, 8, "const")  # the __call__ form
     assert len(seen) == 2 and seen[0] == seen[1]
     assert launch._c_launch(LauncherOther()) is None
     scratch = Launcher36()
