@@ -25,6 +25,14 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def set_env(spec: str) -> None:
+    """Sets the variables of spec "K=V[,K2=V2...]" for the rest of the process (a probe's launch-time switches,
+    read at capture)."""
+    for kv in filter(None, spec.split(",")):
+        k, v = kv.split("=", 1)
+        os.environ[k] = v
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

@@ -11,7 +11,6 @@ the r16 flat expand near 3.9 TB/s.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -62,9 +61,7 @@ def main() -> None:
     p.add_argument("--ranks", default="16,64")
     p.add_argument("--env", default="", help="K=V[,K2=V2] set while capturing (launch-time switches)")
     args = p.parse_args()
-    for kv in filter(None, args.env.split(",")):
-        k, v = kv.split("=", 1)
-        os.environ[k] = v
+    common.set_env(args.env)
     copy = common.copy_bandwidth_gbs()
     rows = [{**probe(int(r), w), "module": m, "env": args.env} for r in args.ranks.split(",")
             for m, w in WIDTHS.items()]

@@ -9,7 +9,6 @@ in_dim 14336 one at ~77%, whatever the kernel form; this separates the stride fr
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -41,9 +40,7 @@ def main() -> None:
     p.add_argument("--dims", default="4096,4160,8192,8256,14336")
     p.add_argument("--env", default="", help="K=V[,K2=V2] set while capturing (launch-time switches)")
     args = p.parse_args()
-    for kv in filter(None, args.env.split(",")):
-        k, v = kv.split("=", 1)
-        os.environ[k] = v
+    common.set_env(args.env)
     copy = common.copy_bandwidth_gbs()
     rows = [{**probe(int(d)), "copy_gbs": round(copy, 0), "env": args.env} for d in args.dims.split(",")]
     common.print_table(rows, ["in_dim", "row_stride_kb", "us", "x_gbs", "copy_gbs", "env"])
