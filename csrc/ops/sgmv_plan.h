@@ -48,7 +48,7 @@ constexpr int kReduceFirstTilesMma = 64;
 // The tensor-core expand's kernel by the rows of out and the pool rank R (all compute a row's bits alike, so the
 // choice keeps batch invariance): where prefill_plan holds from kTallExpandRows rows and v is 16-byte aligned, one
 // short CTA per 64-row x 128-column item up to R = kFlatMaxR (kernels/sgmv_expand_flat.cuh), up to R = kRegsMaxR one
-// warpgroup-MMA CTA per 64-row x 64-column item where v is of out's dtype and the build has sm_90a code
+// warpgroup-MMA CTA per 64-row x 128-column item where v is of out's dtype and the build has sm_90a code
 // (kernels/sgmv_expand_wgmma.cuh; the regs plan, tried first by ops/sgmv_expand.cu), else warps holding B in
 // registers (kernels/sgmv_expand_regs.cuh), beyond kRegsMaxR 64-row items
 // (kernels/sgmv_expand_tall.cuh: the 16-row kernel is issue-bound there); below, from 2 rows and up to
