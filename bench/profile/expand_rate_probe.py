@@ -43,13 +43,13 @@ def probe(rank: int, widths: tuple, rows: int = 8192, seg: int = 1024) -> dict:
     # out read and written in place by torch's elementwise kernel: the in-place stream the expand makes, no LoRA
     inplace_us = common.time_graph_us([lambda i=i: outs[i].mul_(1.0) for i in range(2)], inner=20, reps=30)
     nbytes = 2 * rows * total * 2  # out read and written
-    return {"rank": rank, "out_cols": total, "us": round(us, 2), "rmw_gbs": round(nbytes / us / 1e3, 0),
-            "copy_us": round(copy_us, 2), "inplace_us": round(inplace_us, 2)}
+    return {"rank": rank, "out_cols": total, "rmw_mb": round(nbytes / 1e6, 1), "us": round(us, 2),
+            "rmw_gbs": round(nbytes / us / 1e3, 0), "copy_us": round(copy_us, 2), "inplace_us": round(inplace_us, 2)}
 
 
 def fit(rows: list[dict]) -> tuple[float, float]:
     """Least squares us = fixed + MB / rate (TB/s) over rows of one rank."""
-    xs = [2 * 8192 * r["out_cols"] * 2 / 1e6 for r in rows]  # MB
+    xs = [r["rmw_mb"] for r in rows]
     ys = [r["us"] for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9)

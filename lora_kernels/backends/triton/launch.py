@@ -9,7 +9,8 @@ such as proton), launches go through the runner so that it sees them. Where the 
 the kernel needs no scratch memory, the launcher's own C launch is called directly (`_c_launch`): its Python
 wrapper only allocates scratch buffers, and costs ~2 µs a launch (host_breakdown.py: 7.1 µs a cached launch).
 The cache key holds what Triton specializes on and the plan does not already fix: each pointer's 16-byte
-alignment, the device, the grid and the caller's variant tag. Never under TRITON_INTERPRET (there every launch is interpreted).
+alignment, the device, the grid and the caller's variant tag. Never under TRITON_INTERPRET (there every launch is
+interpreted).
 """
 
 from __future__ import annotations
