@@ -242,7 +242,32 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s,
   }
 }
 
-template <typename T, typename V, int KS>
+// PFB (A/B switch LK_STREAM_PFB=1, ops/sgmv_expand.cu; to be measured, then kept as the only form or removed): before
+// griddep_wait the CTAs of the first wave (blockIdx below the SM count: those resident while the shrink runs) request
+// into L2 the B blocks of every warp run of the grid whose CTA shares their blockIdx modulo the SM count (lane j: the
+// j-th such CTA, warp w: its warp w). At 16-64 rows of a wide module B is most of the expand's bytes (ncu, H100, r16
+// 16x1 gate_up: 13.8 MB read, nearly all B, in 14.3 us at 29% of DRAM bandwidth; it adds 11 of the layer's 32 us), and
+// most CTAs start only when the shrink's leave, so their B travels after the wait. B is no kernel's output: it may be
+// read before the wait. A run's first tile only (a run of 2-3 items rarely crosses a tile at these sizes); tiles
+// without LoRA skipped.
+template <typename T>
+__device__ __forceinline__ void stream_prefetch_b(const T* b, const ExpandArgs& p, int per, int total, int lane) {
+  const int warp = threadIdx.x >> 5, sms = num_sms();
+  if (static_cast<int>(blockIdx.x) >= sms) return;
+  for (int c = blockIdx.x + lane * sms; c < static_cast<int>(gridDim.x); c += 32 * sms) {
+    const int i0 = (c * kStreamWarps + warp) * per, i1 = min(i0 + per, total);
+    if (i0 >= i1) continue;
+    const TileInfo ti = load_tile(p.w, i0 / p.n_tiles, p.R);
+    if (ti.slot < 0) continue;
+    const int ct_lo = i0 % p.n_tiles, ct_hi = min(ct_lo + (i1 - i0) - 1, p.n_tiles - 1);
+    const int s_lo = slice_of(p, ct_lo), s_hi = slice_of(p, ct_hi);
+    const int c0 = tile_col0(p, s_lo, ct_lo, kStreamCols);
+    const int c1 = min(tile_col0(p, s_hi, ct_hi, kStreamCols) + kStreamCols, pick(p.offsets, s_hi + 1));
+    if (c1 > c0) prefetch_l2(b + (static_cast<int64_t>(ti.slot) * p.out_total + c0) * p.R, (c1 - c0) * p.R * 2);
+  }
+}
+
+template <typename T, typename V, int KS, bool PFB = false>
 __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
     sgmv_expand_stream_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -268,6 +293,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
     }
     cp_async_commit();
   }
+  if constexpr (PFB) stream_prefetch_b(b, p, per, total, lane);
   griddep_wait();  // v and out are written by earlier kernels; every CTA waits (see sgmv_expand_mma_kernel)
   for (int s = 0; s + 1 < kStreamStages; ++s)
     if (i0 + s < i1) {
@@ -304,17 +330,27 @@ __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
   }
 }
 
-template <typename T, typename V>
-cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  static_assert(sizeof(T) == 2, "16-bit T");
+template <typename T, typename V, bool PFB>
+cudaError_t launch_expand_stream_ks(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
   switch (stream_ks(p.R)) {
     case 1:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 1>>(cfg, kStreamThreads, kStreamSmemBytes<1>, v, b, out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 1, PFB>>(cfg, kStreamThreads, kStreamSmemBytes<1>, v, b,
+                                                                     out, p);
     case 2:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 2>>(cfg, kStreamThreads, kStreamSmemBytes<2>, v, b, out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 2, PFB>>(cfg, kStreamThreads, kStreamSmemBytes<2>, v, b,
+                                                                     out, p);
     default:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 4>>(cfg, kStreamThreads, kStreamSmemBytes<4>, v, b, out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 4, PFB>>(cfg, kStreamThreads, kStreamSmemBytes<4>, v, b,
+                                                                     out, p);
   }
+}
+
+// pfb: the A/B switch above (stream_prefetch_b).
+template <typename T, typename V>
+cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg, bool pfb) {
+  static_assert(sizeof(T) == 2, "16-bit T");
+  return pfb ? launch_expand_stream_ks<T, V, true>(v, b, out, p, cfg)
+             : launch_expand_stream_ks<T, V, false>(v, b, out, p, cfg);
 }
 
 }  // namespace lora_kernels
