@@ -151,6 +151,32 @@ def rowloop_expand(case: Case, v: torch.Tensor, out0: torch.Tensor) -> torch.Ten
     return out
 
 
+def poisoned_weights(g, dtype, in_dim, R, widths, ranks, device="cuda"):
+    """(lora_a, lora_b, slice offsets) of len(ranks) slots, fresh from g, NaN past each slot's rank (it must never
+    reach an output)."""
+    offs = tuple(int(v) for v in np.concatenate([[0], np.cumsum(widths)]))
+    n = len(ranks)
+    a = (torch.randn(n, len(widths) * R, in_dim, generator=g) * in_dim ** -0.5).to(dtype).to(device)
+    b = (torch.randn(n, offs[-1], R, generator=g) * R ** -0.5).to(dtype).to(device)
+    for s, r in enumerate(ranks):
+        b[s, :, r:] = float("nan")
+        for i in range(len(widths)):
+            a[s, i * R + r:(i + 1) * R] = float("nan")
+    return a, b, offs
+
+
+def reference_apply(x, base, a, b, info, offs):
+    """float64 reference.py: shrink then expand, the NaN past the ranks zeroed."""
+    from lora_kernels import reference
+
+    args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
+    v = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64, device=x.device)
+    reference.sgmv_shrink(x.double(), a.double().nan_to_num(0), *args, info.permutation, len(offs) - 1, v)
+    out = base.double().clone()
+    reference.sgmv_expand(v, b.double().nan_to_num(0), *args, info.scalings, info.permutation, offs, out)
+    return out
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out = out.double().cpu()
     ref = ref.double().cpu()

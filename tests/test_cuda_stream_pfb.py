@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 import lora_kernels as lk
-from cases import TOL, launched_sgmv_kernels, make_info, rel_err
+from cases import TOL, launched_sgmv_kernels, make_info, poisoned_weights, reference_apply, rel_err
 
 HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the CUDA extension and a GPU")]
@@ -28,14 +27,8 @@ SHAPES = {  # R, slice widths, pool ranks, rows (one a segment)
 def _problem(shape: str, dtype):
     R, widths, ranks, rows = SHAPES[shape]
     g = torch.Generator().manual_seed(211 + list(SHAPES).index(shape))
-    offs = tuple(int(v) for v in np.concatenate([[0], np.cumsum(widths)]))
     in_dim, n = 1024, len(ranks)
-    a = (torch.randn(n, len(widths) * R, in_dim, generator=g) * in_dim ** -0.5).to(dtype).cuda()
-    b = (torch.randn(n, offs[-1], R, generator=g) * R ** -0.5).to(dtype).cuda()
-    for s, r in enumerate(ranks):  # NaN past each slot's rank: it must never reach an output
-        b[s, :, r:] = float("nan")
-        for i in range(len(widths)):
-            a[s, i * R + r:(i + 1) * R] = float("nan")
+    a, b, offs = poisoned_weights(g, dtype, in_dim, R, widths, ranks)
     scal = (torch.rand(n, generator=g) + 0.5).cuda()
     slots = [int(s) for s in torch.randint(-1, n, (rows,), generator=g)]
     slots[1] = -1
@@ -43,17 +36,6 @@ def _problem(shape: str, dtype):
     x = torch.randn(rows, in_dim, generator=g).to(dtype).cuda()
     base = torch.randn(rows, offs[-1], generator=g).to(dtype).cuda()
     return x, base, a, b, info, offs
-
-
-def _reference(x, base, a, b, info, offs):
-    from lora_kernels import reference
-
-    args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
-    v = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64, device="cuda")
-    reference.sgmv_shrink(x.double(), a.double().nan_to_num(0), *args, info.permutation, len(offs) - 1, v)
-    out = base.double().clone()
-    reference.sgmv_expand(v, b.double().nan_to_num(0), *args, info.scalings, info.permutation, offs, out)
-    return out
 
 
 def _apply(x, base, a, b, info, offs, pfb: bool, graph: bool) -> torch.Tensor:
@@ -92,4 +74,4 @@ def test_stream_b_prefetch_keeps_every_bit(dtype, shape, graph):
         assert any("expand_stream" in k for k in names), names
     assert torch.equal(fetched, plain)
     assert torch.equal(fetched[1], base[1]) and not torch.equal(fetched, base)  # row 1: slot -1
-    assert rel_err(fetched, _reference(x, base, a, b, info, offs)) <= TOL[dtype]
+    assert rel_err(fetched, reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]

@@ -17,7 +17,7 @@ import torch
 
 import lora_kernels as lk
 import lora_kernels._build_meta as build_meta
-from cases import TOL, launched_sgmv_kernels, make_info, rel_err
+from cases import TOL, launched_sgmv_kernels, make_info, poisoned_weights, reference_apply, rel_err
 
 HAS_EXT = lk.HAS_CUDA_EXT and torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_EXT, reason="needs the CUDA extension and a GPU")]
@@ -46,23 +46,11 @@ SHAPES = {  # R, slice widths, pool ranks (some below R, several 64-wide rank sl
 }
 
 
-def _weights(g, dtype, in_dim, R, widths, ranks):
-    offs = tuple(int(v) for v in np.concatenate([[0], np.cumsum(widths)]))
-    n = len(ranks)
-    a = (torch.randn(n, len(widths) * R, in_dim, generator=g) * in_dim ** -0.5).to(dtype).cuda()
-    b = (torch.randn(n, offs[-1], R, generator=g) * R ** -0.5).to(dtype).cuda()
-    for s, r in enumerate(ranks):  # NaN past each slot's rank: it must never reach an output
-        b[s, :, r:] = float("nan")
-        for i in range(len(widths)):
-            a[s, i * R + r:(i + 1) * R] = float("nan")
-    return a, b, offs
-
-
 def _problem(g, dtype, shape, in_dim=256):
     """Weights of SHAPES[shape] (NaN past each slot's rank), scalings, and x, base out and v for the rows of
     SEGMENTS, fresh from g."""
     R, widths, ranks = SHAPES[shape]
-    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
+    a, b, offs = poisoned_weights(g, dtype, in_dim, R, widths, ranks)
     scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
     n = sum(SEGMENTS[0])
     x = torch.randn(n, in_dim, generator=g).to(dtype).cuda()
@@ -132,7 +120,7 @@ def test_tall_expand_has_the_16_row_bits(dtype, shape, filler_first, in_dim):
     no_lora = torch.zeros(n, dtype=torch.bool, device="cuda")
     no_lora[sum(seg_lens[:3]):sum(seg_lens[:4])] = True  # the slot -1 segment
     assert torch.equal(out_s[no_lora], base[no_lora]) and not torch.equal(out_s[~no_lora], base[~no_lora])
-    ref = _reference_apply(big[2], big[3], a, b, info_b, offs)
+    ref = reference_apply(big[2], big[3], a, b, info_b, offs)
     assert rel_err(out_b, ref) <= TOL[dtype]
 
 
@@ -197,7 +185,7 @@ def test_chunked_prefill_step_takes_the_decode_plans_with_the_same_bits(shape):
     R, widths, ranks = SHAPES[shape]
     dtype, chunk, dec = torch.bfloat16, 4100, 63
     g = torch.Generator().manual_seed(97 + list(SHAPES).index(shape))
-    a, b, offs = _weights(g, dtype, 1024, R, widths, ranks)
+    a, b, offs = poisoned_weights(g, dtype, 1024, R, widths, ranks)
     scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
     n = chunk + dec
     x = torch.randn(n, 1024, generator=g).to(dtype).cuda()
@@ -218,7 +206,7 @@ def test_chunked_prefill_step_takes_the_decode_plans_with_the_same_bits(shape):
         assert not any(p in k for k in names for p in prefill), names
         assert any(p in k for k in names_c for p in prefill[:4]), names_c
     assert torch.equal(out[:chunk], out_c) and torch.equal(e[:chunk], e_c)
-    assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
+    assert rel_err(out, reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
     for i in (chunk, chunk + 1, chunk + 31, n - 1):
         _assert_alone_equal(i, slots[i - chunk + 1], ranks, scal, x, v, a, b, offs, base, out, e)
 
@@ -257,7 +245,7 @@ def test_one_row_tiles_stream_beyond_r16_with_the_16_row_bits(dtype, shape, in_d
     and the adapters' dtype); right against float64; rows of slot -1 untouched."""
     R, widths, ranks = WIDE[shape]
     g = torch.Generator().manual_seed(97 + 4 * list(WIDE).index(shape) + 2 * (in_dim > 256) + (rows > 128))
-    a, b, offs = _weights(g, dtype, in_dim, R, widths, ranks)
+    a, b, offs = poisoned_weights(g, dtype, in_dim, R, widths, ranks)
     scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
     pair_slots = [int(s) for s in torch.randint(-1, len(ranks), (rows // 2,), generator=g)]
     pair_slots[1] = -1
@@ -280,19 +268,7 @@ def test_one_row_tiles_stream_beyond_r16_with_the_16_row_bits(dtype, shape, in_d
         lk.sgmv_expand(v.to(vd), b, pairs, offs, e2, backend="cuda")
         assert torch.equal(e1, e2) and not torch.equal(e1, base)
     assert torch.equal(o1[2:4], base[2:4]) and not torch.equal(o1, base)  # rows 2, 3: slot -1
-    assert rel_err(o1, _reference_apply(x, base, a, b, ones, offs)) <= TOL[dtype]
-
-
-def _reference_apply(x, base, a, b, info, offs):
-    """float64 reference.py: shrink then expand, stale weights zeroed."""
-    from lora_kernels import reference
-
-    args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
-    v = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64, device="cuda")
-    reference.sgmv_shrink(x.double(), a.double().nan_to_num(0), *args, info.permutation, len(offs) - 1, v)
-    out = base.double().clone()
-    reference.sgmv_expand(v, b.double().nan_to_num(0), *args, info.scalings, info.permutation, offs, out)
-    return out
+    assert rel_err(o1, reference_apply(x, base, a, b, ones, offs)) <= TOL[dtype]
 
 
 MANY = {"r64": (64, (14336, 14336), [64, 40, 64, 9, 64, 64]), "r136": (136, (14336, 14336), [136, 70, 1, 136, 64, 100])}
@@ -309,7 +285,7 @@ def test_16_row_ctas_of_many_items_have_the_one_row_bits(dtype, shape, permuted)
     (a sorted batch's permutation)."""
     R, widths, ranks = MANY[shape]
     g = torch.Generator().manual_seed(211 + 4 * list(MANY).index(shape) + 2 * (dtype == torch.float16) + permuted)
-    a, b, offs = _weights(g, dtype, 256, R, widths, ranks)
+    a, b, offs = poisoned_weights(g, dtype, 256, R, widths, ranks)
     scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
     seg_lens = [3, 1, 5, 2, 7, 1, 4, 16, 2, 1, 6, 3, 1, 2, 9, 1, 2, 3, 17, 1]
     slots = [int(s) for s in torch.randint(0, len(ranks), (len(seg_lens),), generator=g)]
@@ -326,7 +302,7 @@ def test_16_row_ctas_of_many_items_have_the_one_row_bits(dtype, shape, permuted)
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
         assert any("expand_mma" in k for k in names), names
     lk.sgmv_expand(v, b, info, offs, e, backend="cuda")
-    assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
+    assert rel_err(out, reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
     starts = np.concatenate([[0], np.cumsum(seg_lens)])
     for k, slot in enumerate(slots):
         rows = torch.from_numpy(perm[starts[k]:starts[k + 1]]).cuda()
@@ -344,7 +320,7 @@ def test_wide_16_row_expand_sums_the_planes_first_with_the_same_bits(dtype):
     torch.equal to the same rows in the 600-row batch (the former); right against float64; slot -1 rows untouched."""
     R, widths, ranks = MANY["r64"]
     g = torch.Generator().manual_seed(307 + (dtype == torch.float16))
-    a, b, offs = _weights(g, dtype, 1024, R, widths, ranks)
+    a, b, offs = poisoned_weights(g, dtype, 1024, R, widths, ranks)
     scal = (torch.rand(len(ranks), generator=g) + 0.5).cuda()
     seg_lens, slots = [37, 5, 120, 64, 1, 200, 33, 140], [2, -1, 0, 5, 3, 1, -1, 2]
     n, head = sum(seg_lens), sum(seg_lens[:3])
@@ -361,4 +337,4 @@ def test_wide_16_row_expand_sums_the_planes_first_with_the_same_bits(dtype):
     starts = np.concatenate([[0], np.cumsum(seg_lens)])
     for k in (1, 6):  # slot -1
         assert torch.equal(out[starts[k]:starts[k + 1]], base[starts[k]:starts[k + 1]])
-    assert rel_err(out, _reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
+    assert rel_err(out, reference_apply(x, base, a, b, info, offs)) <= TOL[dtype]
