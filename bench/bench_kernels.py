@@ -207,9 +207,11 @@ def variants(case: Case, mods, backends) -> list[str]:
     return out
 
 
-def time_case(mods, names, rounds: int, reps: int) -> dict:
-    """{variant: [layer µs per round]}: every variant's graphs captured once, then replayed in interleaved rounds."""
-    graphs = {v: {m: common.GraphTimer(mod.fns(v), inner=len(mod.sets)) for m, mod in mods.items()} for v in names}
+def time_case(mods, names, rounds: int, reps: int, fns=None) -> dict:
+    """{variant: [layer µs per round]}: every variant's graphs captured once, then replayed in interleaved rounds.
+    fns(mod, variant) gives a module's callables (default: Module.fns)."""
+    fns = fns or (lambda mod, v: mod.fns(v))
+    graphs = {v: {m: common.GraphTimer(fns(mod, v), inner=len(mod.sets)) for m, mod in mods.items()} for v in names}
     out = {v: [] for v in names}
     for _ in range(rounds):
         for v in names:

@@ -38,38 +38,32 @@ def _problem(shape: str, dtype):
     return x, base, a, b, info, offs
 
 
-def _apply(x, base, a, b, info, offs, pfb: bool, graph: bool) -> torch.Tensor:
+def _apply(x, base, a, b, info, offs, graph: bool) -> torch.Tensor:
+    """apply_lora on a copy of base, eagerly or from a captured graph's replay (LK_STREAM_PFB is read at launch)."""
     out = base.clone()
-    old = os.environ.get("LK_STREAM_PFB")
-    os.environ["LK_STREAM_PFB"] = "1" if pfb else "0"
-    try:
-        if not graph:
-            lk.apply_lora(x, out, a, b, info, offs, backend="cuda")
-            return out
-        lk.apply_lora(x, out.clone(), a, b, info, offs, backend="cuda")  # warm-up outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            lk.apply_lora(x, out, a, b, info, offs, backend="cuda")
-        out.copy_(base)
-        g.replay()
-        torch.cuda.synchronize()
+    if not graph:
+        lk.apply_lora(x, out, a, b, info, offs, backend="cuda")
         return out
-    finally:
-        if old is None:
-            os.environ.pop("LK_STREAM_PFB", None)
-        else:
-            os.environ["LK_STREAM_PFB"] = old
+    lk.apply_lora(x, out.clone(), a, b, info, offs, backend="cuda")  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        lk.apply_lora(x, out, a, b, info, offs, backend="cuda")
+    g.replay()
+    torch.cuda.synchronize()
+    return out
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_stream_b_prefetch_keeps_every_bit(dtype, shape, graph):
+def test_stream_b_prefetch_keeps_every_bit(dtype, shape, graph, monkeypatch):
     x, base, a, b, info, offs = _problem(shape, dtype)
-    plain = _apply(x, base, a, b, info, offs, False, graph)
-    names = launched_sgmv_kernels(lambda: _apply(x, base, a, b, info, offs, True, False))
-    fetched = _apply(x, base, a, b, info, offs, True, graph)
+    monkeypatch.setenv("LK_STREAM_PFB", "0")
+    plain = _apply(x, base, a, b, info, offs, graph)
+    monkeypatch.setenv("LK_STREAM_PFB", "1")
+    names = launched_sgmv_kernels(lambda: _apply(x, base, a, b, info, offs, False))
+    fetched = _apply(x, base, a, b, info, offs, graph)
     if not os.environ.get("LORA_KERNELS_SANITIZER"):  # the profiler records nothing under compute-sanitizer
         assert any("expand_stream" in k for k in names), names
     assert torch.equal(fetched, plain)

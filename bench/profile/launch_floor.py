@@ -15,10 +15,10 @@ modules, sets and timer (bench_kernels.time_case: one graph per module, interlea
     chain2+pdl     the same in two launches a module: the least chain of a shrink-then-expand design, where the
                    shrink reads x and the expand v (each the previous kernel's output) only after gdc_wait
 
-and, for comparison, each backend of --backends (bench_kernels' variant, sorted where adapters repeat). `empty1+pdl / ref` is
-the least ratio a design of one kernel a module can reach at a batch, `empty2+pdl / ref` the least for two kernels a
-module, and `chain2+pdl / ref` the least for two launches that each read their predecessor's output: a target below
-them cannot be met by a kernel design of that shape.
+and, for comparison, each backend of --backends (bench_kernels' variant, sorted where adapters repeat).
+`empty1+pdl / ref` is the least ratio a design of one kernel a module can reach at a batch, `empty2+pdl / ref` the
+least for two kernels a module, and `chain2+pdl / ref` the least for two launches that each read their predecessor's
+output: a target below them cannot be met by a kernel design of that shape.
 
     python3 bench/profile/launch_floor.py [--cases "decode 1x1,decode 16x1"] [--backends triton,cuda] [--json F]
 """
@@ -127,12 +127,7 @@ def run(cases: list[str], backends: list[str], rounds: int, reps: int, json_path
         mods, infos = bk.build_case(case)
         order = "sorted" if "sorted" in infos else "unsorted"
         names = [*VARIANTS, *(f"{b} {order}" for b in backends)]
-        graphs = {v: [common.GraphTimer(_fns(m, v) if v in VARIANTS else m.fns(v), inner=len(m.sets))
-                      for m in mods.values()] for v in names}
-        times = {v: [] for v in names}
-        for _ in range(rounds):
-            for v in names:
-                times[v].append(sum(g.time_us(reps=reps) for g in graphs[v]))
+        times = bk.time_case(mods, names, rounds, reps, lambda m, v: _fns(m, v) if v in VARIANTS else m.fns(v))
         ref = statistics.median(times["ref"])
         cells = []
         for v in names:
@@ -141,7 +136,7 @@ def run(cases: list[str], backends: list[str], rounds: int, reps: int, json_path
             rows.append({"bench": "launch_floor", "case": case.name, "variant": v, "layer_us": med,
                          "min_us": min(times[v]), "max_us": max(times[v]), "x_ref": med / ref})
         print(f"{case.name:>26} " + " ".join(f"{c:>15}" for c in cells))
-        del graphs, mods
+        del mods
         torch.cuda.empty_cache()
     common.write_jsonl(json_path, rows)
 

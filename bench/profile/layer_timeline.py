@@ -45,15 +45,8 @@ def layer_kernels(case: bk.Case, backend: str):
     order = "sorted" if "sorted" in infos else "unsorted"
     fns = {m: mod.fns(f"{backend} {order}") for m, mod in mods.items()}
     sets = min(len(f) for f in fns.values())
-    for f in fns.values():  # warm-up and compile, outside the capture
-        for fn in f:
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(sets):
-            for m in mods:
-                fns[m][i]()
+    layer = [fns[m][i] for i in range(sets) for m in mods]  # set i's modules in order, then set i + 1's
+    graph = common.GraphTimer(layer, inner=len(layer)).graph
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
