@@ -93,22 +93,6 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
-// Requests [p, p + bytes) into L2 (p and bytes multiples of 16) without holding a register or shared memory while the
-// lines travel. L2 is where every SM's writes meet, so a line fetched early is never stale. sm_90+ (cp.async.bulk);
-// nothing on older targets, which have no programmatic launch to overlap it with.
-__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-// SMs of the device.
-__device__ __forceinline__ int num_sms() {
-  int n;
-  asm("mov.u32 %0, %%nsmid;\n" : "=r"(n));
-  return n;
-}
-
 // griddep_wait() the first time a CTA is about to read what an earlier kernel writes (x, v, out) or to
 // write anything: before it, a kernel reads only what no kernel writes (weights, batch metadata).
 __device__ __forceinline__ void wait_once(bool& waited) {

@@ -2,23 +2,12 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "ops/dtypes.h"
 #include "ops/sgmv_run.h"
 
 namespace lora_kernels {
-
-namespace {
-// The streaming expand's B prefetch (kernels/sgmv_expand_stream.cuh, stream_prefetch_b): an A/B switch, read at each
-// launch, until a device run decides it.
-bool stream_pfb() {
-  const char* env = std::getenv("LK_STREAM_PFB");
-  return env && std::strcmp(env, "1") == 0;
-}
-}  // namespace
 
 void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
                 const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg) {
@@ -49,7 +38,7 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
           C10_CUDA_CHECK((launch_expand_tall<T, V>(vp, bp, op, p, cfg)));
           return;
         case ExpandKernel::stream:
-          C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg, stream_pfb())));
+          C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg)));
           return;
         case ExpandKernel::mma:
           C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg, plan.one_row)));
