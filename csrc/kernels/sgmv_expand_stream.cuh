@@ -288,12 +288,14 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s,
   }
 }
 
-// A warp keeps one item in flight while it computes one; the first item's B block is requested before griddep_wait.
-// cp.async groups: the first items' B blocks, then their out rows one group each, then one group per later item, so
-// that item k's data are complete when at most kStreamStages - 1 groups are pending. (The first item's cursor step
-// and the next tile's metadata come before the wait, its out rows are issued from its stage after it: against the
-// earlier order, B / wait / out and cursor, layer µs on an H100 in two calls: r16 256x1 unsorted 254 -> 226, 16x1
-// sorted 33.8 -> 33.2, 64x1 unsorted 70.2 -> 69.2; not an interleaved A/B.)
+// Both stages' B blocks are requested before griddep_wait (with the cursor's steps and the next tile's metadata), both
+// out rows after it, from the stages; then each stage is refilled (item k + 2) once item k is computed, so a warp keeps
+// one item in flight while it computes one. cp.async groups: B0, B1, out0, out1, then one an item: item k's data are
+// complete with one group pending, for every k. Layer µs on an H100 against the form that issued item k + 1 before
+// computing item k, with one B block before the wait and the cursor stepped after it: that order -> the cursor and
+// metadata before the wait (two calls, not interleaved): r16 256x1 unsorted 254 -> 226, 16x1 sorted 33.8 -> 33.2; ->
+// this (bench A/B, two orders, bit-equal, 278 CUDA tests): 64x1 unsorted 69.5 / 69.4 -> 67.7 / 67.7, 256x1 sorted
+// 78.2 / 78.2 -> 77.8 / 77.7, 16x1 sorted 33.8 / 33.5 -> 33.2 / 33.4, 64x1 sorted 49.9 / 49.8 -> 50.0 / 50.0.
 template <typename T, typename V, int KS>
 __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
     sgmv_expand_stream_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
@@ -306,12 +308,13 @@ __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
   const int i0 = (blockIdx.x * kStreamWarps + warp) * per, i1 = min(i0 + per, total);
   int row;
   StreamCursor cur{};  // the next item to issue
+  static_assert(kStreamStages == 2, "one group pending: the wait depths below assume two stages");
   if (i0 < i1) {
     cur.tile = i0 / p.n_tiles;
     cur.ct = i0 - cur.tile * p.n_tiles;
     stream_cursor_load(cur, p, lane);
   }
-  for (int s = 0; s + 1 < kStreamStages; ++s) {
+  for (int s = 0; s < kStreamStages; ++s) {
     if (i0 + s < i1) {
       const StreamItem it = stream_cursor_item(cur, p, row);
       stream_issue_b<T, KS>(ws, s, b, p, it, row, lane);
@@ -321,32 +324,30 @@ __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
   }
   griddep_wait();  // v and out are written by earlier kernels; every CTA waits (see sgmv_expand_mma_kernel)
   __syncwarp();    // the stages' items and rows
-  for (int s = 0; s + 1 < kStreamStages; ++s) {
+  for (int s = 0; s < kStreamStages; ++s) {
     if (i0 + s < i1) stream_issue_out<T, KS>(ws, s, out, p, ws.item[s], lane < kTileM ? ws.rows[s][lane] : -1, lane);
     cp_async_commit();
   }
   StreamA<KS> a;
-  // s = k % kStreamStages, s_next = (k + kStreamStages - 1) % kStreamStages
-  for (int k = 0, s = 0, s_next = kStreamStages - 1; i0 + k < i1; ++k) {
-    if (i0 + k + kStreamStages - 1 < i1) {
-      const StreamItem it = stream_cursor_item(cur, p, row);
-      stream_issue_b<T, KS>(ws, s_next, b, p, it, row, lane);
-      stream_issue_out<T, KS>(ws, s_next, out, p, it, row, lane);
-      stream_cursor_next(cur, p, lane, i0 + k + kStreamStages < i1);
-    }
-    cp_async_commit();
+  for (int k = 0, s = 0; i0 + k < i1; ++k) {
     const StreamItem it = ws.item[s];
     if (it.slot >= 0 && (it.tile != a.tile || it.slice != a.slice)) {  // v's loads overlap the stage's
       stream_load_v<T, V, KS>(a.frag, ws, s, v, p, it, lane);
       a.tile = it.tile;
       a.slice = it.slice;
     }
-    cp_async_wait<kStreamStages - 1>();  // item k's groups
+    cp_async_wait<1>();  // item k's groups
     __syncwarp();
     stream_compute<T, KS>(ws, s, out, p, a, lane);
-    __syncwarp();  // the stage is refilled next
+    __syncwarp();  // the stage is refilled now
+    if (i0 + k + kStreamStages < i1) {
+      const StreamItem nx = stream_cursor_item(cur, p, row);
+      stream_issue_b<T, KS>(ws, s, b, p, nx, row, lane);
+      stream_issue_out<T, KS>(ws, s, out, p, nx, row, lane);
+      stream_cursor_next(cur, p, lane, i0 + k + kStreamStages + 1 < i1);
+    }
+    cp_async_commit();
     s = s + 1 == kStreamStages ? 0 : s + 1;
-    s_next = s_next + 1 == kStreamStages ? 0 : s_next + 1;
   }
 }
 
