@@ -108,7 +108,7 @@ __device__ __forceinline__ void stream_cursor_next(StreamCursor& c, const Expand
 // and the stores: 17% fewer in all, 16.4 -> 15.9 us, layer µs (bench A/B, two orders) r16 16x1 sorted 34.6 / 34.2 ->
 // 33.8 / 33.6, 256x1 unsorted 281 -> 254, 64x1 unsorted 74.3 -> 70.2, r64 256x1 distinct 999 -> 987; sorted 64x1 and
 // 256x1 unchanged (50.2, 79.3).
-template <typename T, int KS>
+template <int KS>
 __device__ __forceinline__ int stream_b_chunk(int lane, int i) {  // shared offset of chunk lane + 32 i of a B block
   constexpr int kRowsPerPass = 32 / (2 * KS);                     // rows of the block a pass of the warp covers
   return stream_kc<KS>(lane / (2 * KS) + kRowsPerPass * i, lane % (2 * KS));
@@ -124,7 +124,7 @@ __device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s,
     const uint32_t sb = smem_addr(ws.b[s]);
     const T* src = b + (static_cast<int64_t>(it.slot) * p.out_total + it.n0) * p.R + 8 * lane;
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) cp_async16_s(sb + 2 * stream_b_chunk<T, KS>(lane, i), src + 256 * i, 16);
+    for (int i = 0; i < kChunks; ++i) cp_async16_s(sb + 2 * stream_b_chunk<KS>(lane, i), src + 256 * i, 16);
     return;
   }
 #pragma unroll
