@@ -81,10 +81,23 @@ struct StreamCursor {
   int tile, ct;  // the next item's work-list tile and column tile
   TileInfo ti;   // tile `tile`'s metadata
   int row;       // lanes 0..15: tile `tile`'s physical row `lane` (-1 where none)
+  int slot0;     // LATE: the tile's slot before its rank is known (-1 outside [0, num_slots))
 };
+// LATE (A/B switch LK_STREAM_LATE=1, ops/sgmv_expand.cu; to be measured, then kept as the only form or removed): the
+// rows and the B copies wait only for the tile's slot. Without it the permutation load waits for the rank (the
+// slot is -1 where the rank is 0), and the copies for both (stream_issue_b stores the item and its rows first): four
+// dependent loads (work[0], the tile, the rank, the permutation) before the first copy of every warp; with it two.
+template <bool LATE>
 __device__ __forceinline__ void stream_cursor_load(StreamCursor& c, const ExpandArgs& p, int lane) {
-  c.ti = load_tile(p.w, c.tile, p.R);
-  c.row = c.ti.slot >= 0 && lane < kTileM ? tile_row(p.w, c.ti, lane) : -1;
+  if constexpr (LATE) {
+    const TileInfo raw = load_tile_rows(p.w, c.tile);
+    c.slot0 = raw.slot;
+    c.ti = tile_rank(p.w, raw, p.R);
+    c.row = raw.slot >= 0 && lane < kTileM ? tile_row(p.w, raw, lane) : -1;
+  } else {
+    c.ti = load_tile(p.w, c.tile, p.R);
+    c.row = c.ti.slot >= 0 && lane < kTileM ? tile_row(p.w, c.ti, lane) : -1;
+  }
 }
 __device__ __forceinline__ StreamItem stream_cursor_item(const StreamCursor& c, const ExpandArgs& p, int& row) {
   const int sl = slice_of(p, c.ct);
@@ -93,11 +106,12 @@ __device__ __forceinline__ StreamItem stream_cursor_item(const StreamCursor& c, 
                     tile_col0(p, sl, c.ct, kStreamCols), pick(p.offsets, sl + 1)};
 }
 // Past the item just issued; loads the next tile's metadata where the column tiles wrap and `more` items follow.
+template <bool LATE>
 __device__ __forceinline__ void stream_cursor_next(StreamCursor& c, const ExpandArgs& p, int lane, bool more) {
   if (++c.ct < p.n_tiles) return;
   c.ct = 0;
   ++c.tile;
-  if (more) stream_cursor_load(c, p, lane);
+  if (more) stream_cursor_load<LATE>(c, p, lane);
 }
 
 // Stage s <- the item's B block (its 2 KS 16-byte chunks a row; zero-filled past the rank and the slice), with the
@@ -113,9 +127,37 @@ __device__ __forceinline__ int stream_b_chunk(int lane, int i) {  // shared offs
   constexpr int kRowsPerPass = 32 / (2 * KS);                     // rows of the block a pass of the warp covers
   return stream_kc<KS>(lane / (2 * KS) + kRowsPerPass * i, lane % (2 * KS));
 }
+// LATE: slot0 is the tile's slot before its rank; a whole block is copied whatever the rank (stream_compute masks the
+// fragments past it), and the item and its rows are stored after the copies.
 template <typename T, int KS>
+__device__ __forceinline__ void stream_issue_b_late(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
+                                                    const StreamItem& it, int row, int lane, int slot0) {
+  constexpr int kChunks = kStreamCols * 2 * KS / 32;
+  if (slot0 >= 0 && p.R == 16 * KS && it.n0 + kStreamCols <= it.n_end) {
+    const uint32_t sb = smem_addr(ws.b[s]);
+    const T* src = b + (static_cast<int64_t>(slot0) * p.out_total + it.n0) * p.R + 8 * lane;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) cp_async16_s(sb + 2 * stream_b_chunk<KS>(lane, i), src + 256 * i, 16);
+  } else if (it.slot >= 0) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int idx = lane + 32 * i, r = idx / (2 * KS), c = idx % (2 * KS);
+      const int n = it.n0 + r, j = 8 * c;
+      const int bytes = n < it.n_end ? max(0, min(16, (it.rank - j) * 2)) : 0;
+      cp_async16(ws.b[s] + stream_kc<KS>(r, c),
+                 bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b, bytes);
+    }
+  }
+  if (lane == 0) ws.item[s] = it;
+  if (lane < kTileM) ws.rows[s][lane] = row;
+}
+template <typename T, int KS, bool LATE>
 __device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
-                                               const StreamItem& it, int row, int lane) {
+                                               const StreamItem& it, int row, int lane, int slot0) {
+  if constexpr (LATE) {
+    stream_issue_b_late<T, KS>(ws, s, b, p, it, row, lane, slot0);
+    return;
+  }
   if (lane == 0) ws.item[s] = it;
   if (lane < kTileM) ws.rows[s][lane] = row;
   if (it.slot < 0) return;
@@ -233,7 +275,11 @@ struct StreamA {
 
 // Item of stage s (its loads complete, a.frag its v): the MMAs (the k16 steps under the rank, in order), out rows +=
 // scale * acc in shared memory, 16-byte stores.
-template <typename T, int KS>
+// LATE: the mask of a B fragment word holding k and k + 1 (the lower half k): the elements under the rank.
+__device__ __forceinline__ uint32_t stream_rank_mask(int k, int rank) {
+  return k + 1 < rank ? 0xffffffffu : (k < rank ? 0x0000ffffu : 0u);
+}
+template <typename T, int KS, bool LATE>
 __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s, T* out, const ExpandArgs& p,
                                                const StreamA<KS>& a, int lane) {
   const StreamItem it = ws.item[s];
@@ -246,11 +292,14 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s,
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     if (ks > 0 && 16 * ks >= it.rank) break;  // the steps under the rank, as the 16-row kernel (rank > 0 here)
+    // LATE copied whole blocks: B past the rank (any bits, NaN too) becomes 0, as the zero-filled copies give.
+    const uint32_t m0 = LATE ? stream_rank_mask(16 * ks + 2 * t, it.rank) : ~0u;
+    const uint32_t m1 = LATE ? stream_rank_mask(16 * ks + 8 + 2 * t, it.rank) : ~0u;
 #pragma unroll
     for (int nt = 0; nt < kStreamNT; ++nt)
       mma_16816<T>(acc[0][nt], a.frag[ks],
-                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks) + 2 * t),
-                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks + 1) + 2 * t));
+                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks) + 2 * t) & m0,
+                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks + 1) + 2 * t) & m1);
   }
   T* os = ws.out[s];
   const float scale = p.scalings[it.slot];
@@ -296,7 +345,7 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s,
 // metadata before the wait (two calls, not interleaved): r16 256x1 unsorted 254 -> 226, 16x1 sorted 33.8 -> 33.2; ->
 // this (bench A/B, two orders, bit-equal, 278 CUDA tests): 64x1 unsorted 69.5 / 69.4 -> 67.7 / 67.7, 256x1 sorted
 // 78.2 / 78.2 -> 77.8 / 77.7, 16x1 sorted 33.8 / 33.5 -> 33.2 / 33.4, 64x1 sorted 49.9 / 49.8 -> 50.0 / 50.0.
-template <typename T, typename V, int KS>
+template <typename T, typename V, int KS, bool LATE = false>
 __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
     sgmv_expand_stream_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -312,13 +361,13 @@ __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
   if (i0 < i1) {
     cur.tile = i0 / p.n_tiles;
     cur.ct = i0 - cur.tile * p.n_tiles;
-    stream_cursor_load(cur, p, lane);
+    stream_cursor_load<LATE>(cur, p, lane);
   }
   for (int s = 0; s < kStreamStages; ++s) {
     if (i0 + s < i1) {
       const StreamItem it = stream_cursor_item(cur, p, row);
-      stream_issue_b<T, KS>(ws, s, b, p, it, row, lane);
-      stream_cursor_next(cur, p, lane, i0 + s + 1 < i1);
+      stream_issue_b<T, KS, LATE>(ws, s, b, p, it, row, lane, cur.slot0);
+      stream_cursor_next<LATE>(cur, p, lane, i0 + s + 1 < i1);
     }
     cp_async_commit();
   }
@@ -338,30 +387,41 @@ __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
     }
     cp_async_wait<1>();  // item k's groups
     __syncwarp();
-    stream_compute<T, KS>(ws, s, out, p, a, lane);
+    stream_compute<T, KS, LATE>(ws, s, out, p, a, lane);
     __syncwarp();  // the stage is refilled now
     if (i0 + k + kStreamStages < i1) {
       const StreamItem nx = stream_cursor_item(cur, p, row);
-      stream_issue_b<T, KS>(ws, s, b, p, nx, row, lane);
+      stream_issue_b<T, KS, LATE>(ws, s, b, p, nx, row, lane, cur.slot0);
       stream_issue_out<T, KS>(ws, s, out, p, nx, row, lane);
-      stream_cursor_next(cur, p, lane, i0 + k + kStreamStages + 1 < i1);
+      stream_cursor_next<LATE>(cur, p, lane, i0 + k + kStreamStages + 1 < i1);
     }
     cp_async_commit();
     s = s + 1 == kStreamStages ? 0 : s + 1;
   }
 }
 
-template <typename T, typename V>
-cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
-  static_assert(sizeof(T) == 2, "16-bit T");
+template <typename T, typename V, bool LATE>
+cudaError_t launch_expand_stream_late(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
   switch (stream_ks(p.R)) {
     case 1:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 1>>(cfg, kStreamThreads, kStreamSmemBytes<1>, v, b, out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 1, LATE>>(cfg, kStreamThreads, kStreamSmemBytes<1>, v, b,
+                                                                     out, p);
     case 2:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 2>>(cfg, kStreamThreads, kStreamSmemBytes<2>, v, b, out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 2, LATE>>(cfg, kStreamThreads, kStreamSmemBytes<2>, v, b,
+                                                                     out, p);
     default:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 4>>(cfg, kStreamThreads, kStreamSmemBytes<4>, v, b, out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 4, LATE>>(cfg, kStreamThreads, kStreamSmemBytes<4>, v, b,
+                                                                     out, p);
   }
+}
+
+// late: the A/B switch LATE above (stream_cursor_load).
+template <typename T, typename V>
+cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg,
+                                 bool late) {
+  static_assert(sizeof(T) == 2, "16-bit T");
+  return late ? launch_expand_stream_late<T, V, true>(v, b, out, p, cfg)
+              : launch_expand_stream_late<T, V, false>(v, b, out, p, cfg);
 }
 
 }  // namespace lora_kernels

@@ -2,12 +2,23 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "ops/dtypes.h"
 #include "ops/sgmv_run.h"
 
 namespace lora_kernels {
+
+namespace {
+// The streaming expand's copies issued on the tile's slot alone (kernels/sgmv_expand_stream.cuh, LATE): an A/B switch,
+// read at each launch, until a device run decides it.
+bool stream_late() {
+  const char* env = std::getenv("LK_STREAM_LATE");
+  return env && std::strcmp(env, "1") == 0;
+}
+}  // namespace
 
 void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
                 const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg) {
@@ -38,7 +49,7 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
           C10_CUDA_CHECK((launch_expand_tall<T, V>(vp, bp, op, p, cfg)));
           return;
         case ExpandKernel::stream:
-          C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg)));
+          C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg, stream_late())));
           return;
         case ExpandKernel::mma:
           C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg, plan.one_row)));
