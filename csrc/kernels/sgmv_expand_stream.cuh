@@ -127,56 +127,51 @@ __device__ __forceinline__ int stream_b_chunk(int lane, int i) {  // shared offs
   constexpr int kRowsPerPass = 32 / (2 * KS);                     // rows of the block a pass of the warp covers
   return stream_kc<KS>(lane / (2 * KS) + kRowsPerPass * i, lane % (2 * KS));
 }
-// LATE: slot0 is the tile's slot before its rank; a whole block is copied whatever the rank (stream_compute masks the
-// fragments past it), and the item and its rows are stored after the copies.
+// Stage s <- the whole block of columns [n0, n0 + 64) of slot's B (R = 16 KS, the columns in the slice): one base a
+// lane, chunk i at a fixed offset.
 template <typename T, int KS>
-__device__ __forceinline__ void stream_issue_b_late(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
-                                                    const StreamItem& it, int row, int lane, int slot0) {
-  constexpr int kChunks = kStreamCols * 2 * KS / 32;
-  if (slot0 >= 0 && p.R == 16 * KS && it.n0 + kStreamCols <= it.n_end) {
-    const uint32_t sb = smem_addr(ws.b[s]);
-    const T* src = b + (static_cast<int64_t>(slot0) * p.out_total + it.n0) * p.R + 8 * lane;
+__device__ __forceinline__ void stream_copy_b_whole(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
+                                                    int slot, int n0, int lane) {
+  const uint32_t sb = smem_addr(ws.b[s]);
+  const T* src = b + (static_cast<int64_t>(slot) * p.out_total + n0) * p.R + 8 * lane;
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) cp_async16_s(sb + 2 * stream_b_chunk<KS>(lane, i), src + 256 * i, 16);
-  } else if (it.slot >= 0) {
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const int idx = lane + 32 * i, r = idx / (2 * KS), c = idx % (2 * KS);
-      const int n = it.n0 + r, j = 8 * c;
-      const int bytes = n < it.n_end ? max(0, min(16, (it.rank - j) * 2)) : 0;
-      cp_async16(ws.b[s] + stream_kc<KS>(r, c),
-                 bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b, bytes);
-    }
-  }
-  if (lane == 0) ws.item[s] = it;
-  if (lane < kTileM) ws.rows[s][lane] = row;
+  for (int i = 0; i < kStreamCols * 2 * KS / 32; ++i)
+    cp_async16_s(sb + 2 * stream_b_chunk<KS>(lane, i), src + 256 * i, 16);
 }
-template <typename T, int KS, bool LATE>
-__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
-                                               const StreamItem& it, int row, int lane, int slot0) {
-  if constexpr (LATE) {
-    stream_issue_b_late<T, KS>(ws, s, b, p, it, row, lane, slot0);
-    return;
-  }
-  if (lane == 0) ws.item[s] = it;
-  if (lane < kTileM) ws.rows[s][lane] = row;
-  if (it.slot < 0) return;
-  constexpr int kChunks = kStreamCols * 2 * KS / 32;
-  if (p.R == 16 * KS && it.rank == p.R && it.n0 + kStreamCols <= it.n_end) {
-    const uint32_t sb = smem_addr(ws.b[s]);
-    const T* src = b + (static_cast<int64_t>(it.slot) * p.out_total + it.n0) * p.R + 8 * lane;
+// Stage s <- the item's B block chunk by chunk, zero-filled past its rank and its slice (it.slot >= 0).
+template <typename T, int KS>
+__device__ __forceinline__ void stream_copy_b_part(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
+                                                   const StreamItem& it, int lane) {
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) cp_async16_s(sb + 2 * stream_b_chunk<KS>(lane, i), src + 256 * i, 16);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
+  for (int i = 0; i < kStreamCols * 2 * KS / 32; ++i) {
     const int idx = lane + 32 * i, r = idx / (2 * KS), c = idx % (2 * KS);
     const int n = it.n0 + r, j = 8 * c;
     const int bytes = n < it.n_end ? max(0, min(16, (it.rank - j) * 2)) : 0;
     cp_async16(ws.b[s] + stream_kc<KS>(r, c),
                bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b, bytes);
   }
+}
+// LATE: slot0 is the tile's slot before its rank; a whole block is copied whatever the rank (stream_compute masks the
+// fragments past it), and the item and its rows are stored after the copies.
+template <typename T, int KS, bool LATE>
+__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
+                                               const StreamItem& it, int row, int lane, int slot0) {
+  if constexpr (LATE) {
+    if (slot0 >= 0 && p.R == 16 * KS && it.n0 + kStreamCols <= it.n_end)
+      stream_copy_b_whole<T, KS>(ws, s, b, p, slot0, it.n0, lane);
+    else if (it.slot >= 0)
+      stream_copy_b_part<T, KS>(ws, s, b, p, it, lane);
+    if (lane == 0) ws.item[s] = it;
+    if (lane < kTileM) ws.rows[s][lane] = row;
+    return;
+  }
+  if (lane == 0) ws.item[s] = it;
+  if (lane < kTileM) ws.rows[s][lane] = row;
+  if (it.slot < 0) return;
+  if (p.R == 16 * KS && it.rank == p.R && it.n0 + kStreamCols <= it.n_end)
+    stream_copy_b_whole<T, KS>(ws, s, b, p, it.slot, it.n0, lane);
+  else
+    stream_copy_b_part<T, KS>(ws, s, b, p, it, lane);
 }
 
 // Stage s <- the item's out rows (16-byte chunks of the rows that exist, within the slice). After griddep_wait. An
