@@ -54,24 +54,22 @@ struct StreamItem {
 // One warp's shared memory: per stage the item, its rows, its B block and its out rows; v of the current tile.
 // Stages: three at KS = 1 (4 CTAs an SM) measured slower than two (H100, layer µs, bench A/B in two orders: r16 16x1
 // uniform sorted 33.2 -> 36.0, 256x1 unsorted 226 -> 246; only 64x1 identical sorted gained, 36.5 -> 34.4).
-// NB: B stages (each with its item and rows); 3 behind the A/B switch LK_STREAM_B3=1 (KS = 1 only), out stages 2.
-template <typename T, int KS, int NB = kStreamStages>
+template <typename T, int KS>
 struct alignas(16) StreamWarpSmem {
-  T b[NB][kStreamCols * 16 * KS];
+  T b[kStreamStages][kStreamCols * 16 * KS];
   T out[kStreamStages][kTileM * kStreamCols];
   T vs[kTileM * 16 * KS];
-  StreamItem item[NB];
-  int rows[NB][kTileM];
+  StreamItem item[kStreamStages];
+  int rows[kStreamStages][kTileM];
 };
 
-template <int KS, int NB = kStreamStages>
-constexpr int kStreamSmemBytes = kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t, KS, NB>));
+template <int KS>
+constexpr int kStreamSmemBytes = kStreamWarps * static_cast<int>(sizeof(StreamWarpSmem<uint16_t, KS>));
 // CTAs per SM for KS k16 steps: at KS = 1 the registers are held to them (102 a thread); the shared memory holds them.
 constexpr int stream_ctas_per_sm(int ks) { return ks == 1 ? 5 : (ks == 2 ? 4 : 2); }
 template <int KS>
 constexpr bool stream_ctas_fit = stream_ctas_per_sm(KS) * (kStreamSmemBytes<KS> + 1024) <= 227 * 1024;
 static_assert(stream_ctas_fit<1> && stream_ctas_fit<2> && stream_ctas_fit<4>, "the CTAs fit the shared memory");
-static_assert(stream_ctas_per_sm(1) * (kStreamSmemBytes<1, 3> + 1024) <= 227 * 1024, "B3: the CTAs fit");
 // The k16 steps of the stream kernel for pool rank R.
 inline int stream_ks(int64_t R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
 
@@ -83,23 +81,10 @@ struct StreamCursor {
   int tile, ct;  // the next item's work-list tile and column tile
   TileInfo ti;   // tile `tile`'s metadata
   int row;       // lanes 0..15: tile `tile`'s physical row `lane` (-1 where none)
-  int slot0;     // LATE: the tile's slot before its rank is known (-1 outside [0, num_slots))
 };
-// LATE (A/B switch LK_STREAM_LATE=1, ops/sgmv_expand.cu; to be measured, then kept as the only form or removed): the
-// rows and the B copies wait only for the tile's slot. Without it the permutation load waits for the rank (the
-// slot is -1 where the rank is 0), and the copies for both (stream_issue_b stores the item and its rows first): four
-// dependent loads (work[0], the tile, the rank, the permutation) before the first copy of every warp; with it two.
-template <bool LATE>
 __device__ __forceinline__ void stream_cursor_load(StreamCursor& c, const ExpandArgs& p, int lane) {
-  if constexpr (LATE) {
-    const TileInfo raw = load_tile_rows(p.w, c.tile);
-    c.slot0 = raw.slot;
-    c.ti = tile_rank(p.w, raw, p.R);
-    c.row = raw.slot >= 0 && lane < kTileM ? tile_row(p.w, raw, lane) : -1;
-  } else {
-    c.ti = load_tile(p.w, c.tile, p.R);
-    c.row = c.ti.slot >= 0 && lane < kTileM ? tile_row(p.w, c.ti, lane) : -1;
-  }
+  c.ti = load_tile(p.w, c.tile, p.R);
+  c.row = c.ti.slot >= 0 && lane < kTileM ? tile_row(p.w, c.ti, lane) : -1;
 }
 __device__ __forceinline__ StreamItem stream_cursor_item(const StreamCursor& c, const ExpandArgs& p, int& row) {
   const int sl = slice_of(p, c.ct);
@@ -108,12 +93,11 @@ __device__ __forceinline__ StreamItem stream_cursor_item(const StreamCursor& c, 
                     tile_col0(p, sl, c.ct, kStreamCols), pick(p.offsets, sl + 1)};
 }
 // Past the item just issued; loads the next tile's metadata where the column tiles wrap and `more` items follow.
-template <bool LATE>
 __device__ __forceinline__ void stream_cursor_next(StreamCursor& c, const ExpandArgs& p, int lane, bool more) {
   if (++c.ct < p.n_tiles) return;
   c.ct = 0;
   ++c.tile;
-  if (more) stream_cursor_load<LATE>(c, p, lane);
+  if (more) stream_cursor_load(c, p, lane);
 }
 
 // Stage s <- the item's B block (its 2 KS 16-byte chunks a row; zero-filled past the rank and the slice), with the
@@ -131,8 +115,8 @@ __device__ __forceinline__ int stream_b_chunk(int lane, int i) {  // shared offs
 }
 // Stage s <- the whole block of columns [n0, n0 + 64) of slot's B (R = 16 KS, the columns in the slice): one base a
 // lane, chunk i at a fixed offset.
-template <typename T, int KS, int NB>
-__device__ __forceinline__ void stream_copy_b_whole(StreamWarpSmem<T, KS, NB>& ws, int s, const T* b, const ExpandArgs& p,
+template <typename T, int KS>
+__device__ __forceinline__ void stream_copy_b_whole(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
                                                     int slot, int n0, int lane) {
   const uint32_t sb = smem_addr(ws.b[s]);
   const T* src = b + (static_cast<int64_t>(slot) * p.out_total + n0) * p.R + 8 * lane;
@@ -141,8 +125,8 @@ __device__ __forceinline__ void stream_copy_b_whole(StreamWarpSmem<T, KS, NB>& w
     cp_async16_s(sb + 2 * stream_b_chunk<KS>(lane, i), src + 256 * i, 16);
 }
 // Stage s <- the item's B block chunk by chunk, zero-filled past its rank and its slice (it.slot >= 0).
-template <typename T, int KS, int NB>
-__device__ __forceinline__ void stream_copy_b_part(StreamWarpSmem<T, KS, NB>& ws, int s, const T* b, const ExpandArgs& p,
+template <typename T, int KS>
+__device__ __forceinline__ void stream_copy_b_part(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
                                                    const StreamItem& it, int lane) {
 #pragma unroll
   for (int i = 0; i < kStreamCols * 2 * KS / 32; ++i) {
@@ -153,33 +137,22 @@ __device__ __forceinline__ void stream_copy_b_part(StreamWarpSmem<T, KS, NB>& ws
                bytes ? b + (static_cast<int64_t>(it.slot) * p.out_total + n) * p.R + j : b, bytes);
   }
 }
-// LATE: slot0 is the tile's slot before its rank; a whole block is copied whatever the rank (stream_compute masks the
-// fragments past it), and the item and its rows are stored after the copies.
-template <typename T, int KS, bool LATE, int NB>
-__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS, NB>& ws, int s, const T* b, const ExpandArgs& p,
-                                               const StreamItem& it, int row, int lane, int slot0) {
-  if constexpr (LATE) {
-    if (slot0 >= 0 && p.R == 16 * KS && it.n0 + kStreamCols <= it.n_end)
-      stream_copy_b_whole<T, KS, NB>(ws, s, b, p, slot0, it.n0, lane);
-    else if (it.slot >= 0)
-      stream_copy_b_part<T, KS, NB>(ws, s, b, p, it, lane);
-    if (lane == 0) ws.item[s] = it;
-    if (lane < kTileM) ws.rows[s][lane] = row;
-    return;
-  }
+template <typename T, int KS>
+__device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
+                                               const StreamItem& it, int row, int lane) {
   if (lane == 0) ws.item[s] = it;
   if (lane < kTileM) ws.rows[s][lane] = row;
   if (it.slot < 0) return;
   if (p.R == 16 * KS && it.rank == p.R && it.n0 + kStreamCols <= it.n_end)
-    stream_copy_b_whole<T, KS, NB>(ws, s, b, p, it.slot, it.n0, lane);
+    stream_copy_b_whole<T, KS>(ws, s, b, p, it.slot, it.n0, lane);
   else
-    stream_copy_b_part<T, KS, NB>(ws, s, b, p, it, lane);
+    stream_copy_b_part<T, KS>(ws, s, b, p, it, lane);
 }
 
 // Stage s <- the item's out rows (16-byte chunks of the rows that exist, within the slice). After griddep_wait. An
 // item whose 64 columns lie in its slice copies from one base a lane (its chunk column is lane % 8 in every pass).
-template <typename T, int KS, int NB>
-__device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T, KS, NB>& ws, int s, const T* out, const ExpandArgs& p,
+template <typename T, int KS>
+__device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T, KS>& ws, int s, const T* out, const ExpandArgs& p,
                                                  const StreamItem& it, int row, int lane) {
   if (it.slot < 0) return;  // warp-uniform
   if (it.n0 + kStreamCols <= it.n_end) {
@@ -207,8 +180,8 @@ __device__ __forceinline__ void stream_issue_out(StreamWarpSmem<T, KS, NB>& ws, 
 // 0 past the rank and for rows without LoRA, staged in ws.vs, then a[ks][q] = row g (q even) / g + 8 (q odd) at
 // k = 16 ks + 8 (q / 2) + 2 (lane % 4) and the next k (the m16n8k16 layout). Lane i takes quad i % 4 of each k16
 // step of rows i / 4 and i / 4 + 8; a single plane (v summed by an earlier kernel, or v itself) is loaded in one batch.
-template <typename T, typename V, int KS, int NB>
-__device__ __forceinline__ void stream_load_v(uint32_t (&a)[KS][4], StreamWarpSmem<T, KS, NB>& ws, int s, const V* v,
+template <typename T, typename V, int KS>
+__device__ __forceinline__ void stream_load_v(uint32_t (&a)[KS][4], StreamWarpSmem<T, KS>& ws, int s, const V* v,
                                               const ExpandArgs& p, const StreamItem& it, int lane) {
   float f[2][KS][4];
   const V* src[2];
@@ -272,13 +245,9 @@ struct StreamA {
 
 // Item of stage s (its loads complete, a.frag its v): the MMAs (the k16 steps under the rank, in order), out rows +=
 // scale * acc in shared memory, 16-byte stores.
-// LATE: the mask of a B fragment word holding k and k + 1 (the lower half k): the elements under the rank.
-__device__ __forceinline__ uint32_t stream_rank_mask(int k, int rank) {
-  return k + 1 < rank ? 0xffffffffu : (k < rank ? 0x0000ffffu : 0u);
-}
-template <typename T, int KS, bool LATE, int NB>
-__device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS, NB>& ws, int s, int so, T* out,
-                                               const ExpandArgs& p, const StreamA<KS>& a, int lane) {
+template <typename T, int KS>
+__device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS>& ws, int s, T* out, const ExpandArgs& p,
+                                               const StreamA<KS>& a, int lane) {
   const StreamItem it = ws.item[s];
   if (it.slot < 0) return;
   const int g = lane >> 2, t = lane & 3;
@@ -289,16 +258,13 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS, NB>& ws, in
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     if (ks > 0 && 16 * ks >= it.rank) break;  // the steps under the rank, as the 16-row kernel (rank > 0 here)
-    // LATE copied whole blocks: B past the rank (any bits, NaN too) becomes 0, as the zero-filled copies give.
-    const uint32_t m0 = LATE ? stream_rank_mask(16 * ks + 2 * t, it.rank) : ~0u;
-    const uint32_t m1 = LATE ? stream_rank_mask(16 * ks + 8 + 2 * t, it.rank) : ~0u;
 #pragma unroll
     for (int nt = 0; nt < kStreamNT; ++nt)
       mma_16816<T>(acc[0][nt], a.frag[ks],
-                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks) + 2 * t) & m0,
-                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks + 1) + 2 * t) & m1);
+                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks) + 2 * t),
+                   *reinterpret_cast<const uint32_t*>(bs + stream_kc<KS>(8 * nt + g, 2 * ks + 1) + 2 * t));
   }
-  T* os = ws.out[so];
+  T* os = ws.out[s];
   const float scale = p.scalings[it.slot];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -342,104 +308,72 @@ __device__ __forceinline__ void stream_compute(StreamWarpSmem<T, KS, NB>& ws, in
 // metadata before the wait (two calls, not interleaved): r16 256x1 unsorted 254 -> 226, 16x1 sorted 33.8 -> 33.2; ->
 // this (bench A/B, two orders, bit-equal, 278 CUDA tests): 64x1 unsorted 69.5 / 69.4 -> 67.7 / 67.7, 256x1 sorted
 // 78.2 / 78.2 -> 77.8 / 77.7, 16x1 sorted 33.8 / 33.5 -> 33.2 / 33.4, 64x1 sorted 49.9 / 49.8 -> 50.0 / 50.0.
-// B3 (NB = 3, A/B switch LK_STREAM_B3=1, KS = 1): three B stages and two out stages; all three B blocks before
-// griddep_wait (at r16 16x1 gate_up every working warp has three items). Item k: B stage k % NB, out stage k % 2; once
-// it is computed, its B stage takes item k + NB and its out stage item k + 2's rows (item k + 2's metadata is in its B
-// stage). Groups: B0..B(NB-1), out0, out1, then one an item: item k's data are complete with one group pending.
-template <typename T, typename V, int KS, bool LATE = false, int NB = kStreamStages>
+template <typename T, typename V, int KS>
 __global__ void __launch_bounds__(kStreamThreads, stream_ctas_per_sm(KS))
     sgmv_expand_stream_kernel(const V* __restrict__ v, const T* __restrict__ b, T* __restrict__ out, ExpandArgs p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  StreamWarpSmem<T, KS, NB>& ws = reinterpret_cast<StreamWarpSmem<T, KS, NB>*>(smem_raw)[warp];
+  StreamWarpSmem<T, KS>& ws = reinterpret_cast<StreamWarpSmem<T, KS>*>(smem_raw)[warp];
   griddep_launch_dependents();
   const int total = num_tiles(p.w) * p.n_tiles, warps = gridDim.x * kStreamWarps;
   const int per = (total + warps - 1) / warps;
   const int i0 = (blockIdx.x * kStreamWarps + warp) * per, i1 = min(i0 + per, total);
   int row;
   StreamCursor cur{};  // the next item to issue
-  static_assert(kStreamStages == 2 && (NB == 2 || NB == 3), "one group pending: the wait depths below assume these");
+  static_assert(kStreamStages == 2, "one group pending: the wait depths below assume two stages");
   if (i0 < i1) {
     cur.tile = i0 / p.n_tiles;
     cur.ct = i0 - cur.tile * p.n_tiles;
-    stream_cursor_load<LATE>(cur, p, lane);
+    stream_cursor_load(cur, p, lane);
   }
-  for (int s = 0; s < NB; ++s) {
+  for (int s = 0; s < kStreamStages; ++s) {
     if (i0 + s < i1) {
       const StreamItem it = stream_cursor_item(cur, p, row);
-      stream_issue_b<T, KS, LATE, NB>(ws, s, b, p, it, row, lane, cur.slot0);
-      stream_cursor_next<LATE>(cur, p, lane, i0 + s + 1 < i1);
+      stream_issue_b<T, KS>(ws, s, b, p, it, row, lane);
+      stream_cursor_next(cur, p, lane, i0 + s + 1 < i1);
     }
     cp_async_commit();
   }
   griddep_wait();  // v and out are written by earlier kernels; every CTA waits (see sgmv_expand_mma_kernel)
   __syncwarp();    // the stages' items and rows
   for (int s = 0; s < kStreamStages; ++s) {
-    if (i0 + s < i1)
-      stream_issue_out<T, KS, NB>(ws, s, out, p, ws.item[s], lane < kTileM ? ws.rows[s][lane] : -1, lane);
+    if (i0 + s < i1) stream_issue_out<T, KS>(ws, s, out, p, ws.item[s], lane < kTileM ? ws.rows[s][lane] : -1, lane);
     cp_async_commit();
   }
   StreamA<KS> a;
-  for (int k = 0, s = 0, so = 0; i0 + k < i1; ++k) {
+  for (int k = 0, s = 0; i0 + k < i1; ++k) {
     const StreamItem it = ws.item[s];
     if (it.slot >= 0 && (it.tile != a.tile || it.slice != a.slice)) {  // v's loads overlap the stage's
-      stream_load_v<T, V, KS, NB>(a.frag, ws, s, v, p, it, lane);
+      stream_load_v<T, V, KS>(a.frag, ws, s, v, p, it, lane);
       a.tile = it.tile;
       a.slice = it.slice;
     }
     cp_async_wait<1>();  // item k's groups
     __syncwarp();
-    stream_compute<T, KS, LATE, NB>(ws, s, NB == kStreamStages ? s : so, out, p, a, lane);
-    __syncwarp();  // the stages are refilled now
-    if constexpr (NB == kStreamStages) {
-      if (i0 + k + kStreamStages < i1) {
-        const StreamItem nx = stream_cursor_item(cur, p, row);
-        stream_issue_b<T, KS, LATE, NB>(ws, s, b, p, nx, row, lane, cur.slot0);
-        stream_issue_out<T, KS, NB>(ws, s, out, p, nx, row, lane);
-        stream_cursor_next<LATE>(cur, p, lane, i0 + k + kStreamStages + 1 < i1);
-      }
-    } else {
-      const int s2 = s + 2 >= NB ? s + 2 - NB : s + 2;  // item k + 2's B stage
-      if (i0 + k + 2 < i1)
-        stream_issue_out<T, KS, NB>(ws, so, out, p, ws.item[s2], lane < kTileM ? ws.rows[s2][lane] : -1, lane);
-      if (i0 + k + NB < i1) {
-        const StreamItem nx = stream_cursor_item(cur, p, row);
-        stream_issue_b<T, KS, LATE, NB>(ws, s, b, p, nx, row, lane, cur.slot0);
-        stream_cursor_next<LATE>(cur, p, lane, i0 + k + NB + 1 < i1);
-      }
+    stream_compute<T, KS>(ws, s, out, p, a, lane);
+    __syncwarp();  // the stage is refilled now
+    if (i0 + k + kStreamStages < i1) {
+      const StreamItem nx = stream_cursor_item(cur, p, row);
+      stream_issue_b<T, KS>(ws, s, b, p, nx, row, lane);
+      stream_issue_out<T, KS>(ws, s, out, p, nx, row, lane);
+      stream_cursor_next(cur, p, lane, i0 + k + kStreamStages + 1 < i1);
     }
     cp_async_commit();
-    s = s + 1 == NB ? 0 : s + 1;
-    so ^= 1;
+    s = s + 1 == kStreamStages ? 0 : s + 1;
   }
 }
 
-template <typename T, typename V, bool LATE>
-cudaError_t launch_expand_stream_late(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg,
-                                      bool b3) {
+template <typename T, typename V>
+cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg) {
+  static_assert(sizeof(T) == 2, "16-bit T");
   switch (stream_ks(p.R)) {
     case 1:
-      if (b3)
-        return launch_kernel<sgmv_expand_stream_kernel<T, V, 1, LATE, 3>>(cfg, kStreamThreads, kStreamSmemBytes<1, 3>,
-                                                                          v, b, out, p);
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 1, LATE>>(cfg, kStreamThreads, kStreamSmemBytes<1>, v, b,
-                                                                     out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 1>>(cfg, kStreamThreads, kStreamSmemBytes<1>, v, b, out, p);
     case 2:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 2, LATE>>(cfg, kStreamThreads, kStreamSmemBytes<2>, v, b,
-                                                                     out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 2>>(cfg, kStreamThreads, kStreamSmemBytes<2>, v, b, out, p);
     default:
-      return launch_kernel<sgmv_expand_stream_kernel<T, V, 4, LATE>>(cfg, kStreamThreads, kStreamSmemBytes<4>, v, b,
-                                                                     out, p);
+      return launch_kernel<sgmv_expand_stream_kernel<T, V, 4>>(cfg, kStreamThreads, kStreamSmemBytes<4>, v, b, out, p);
   }
-}
-
-// late, b3: the A/B switches LATE (stream_cursor_load) and B3 (the kernel).
-template <typename T, typename V>
-cudaError_t launch_expand_stream(const V* v, const T* b, T* out, const ExpandArgs& p, const LaunchCfg& cfg,
-                                 bool late, bool b3) {
-  static_assert(sizeof(T) == 2, "16-bit T");
-  return late ? launch_expand_stream_late<T, V, true>(v, b, out, p, cfg, b3)
-              : launch_expand_stream_late<T, V, false>(v, b, out, p, cfg, b3);
 }
 
 }  // namespace lora_kernels

@@ -2,23 +2,12 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "ops/dtypes.h"
 #include "ops/sgmv_run.h"
 
 namespace lora_kernels {
-
-namespace {
-// The streaming expand's A/B switches (kernels/sgmv_expand_stream.cuh): LK_STREAM_LATE (copies issued on the tile's
-// slot alone) and LK_STREAM_B3 (three B stages), read at each launch until a device run decides them.
-bool stream_switch(const char* name) {
-  const char* env = std::getenv(name);
-  return env && std::strcmp(env, "1") == 0;
-}
-}  // namespace
 
 void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
                 const ExpandArgs& p, const ExpandPlan& plan, const LaunchCfg& cfg) {
@@ -49,8 +38,7 @@ void run_expand(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b,
           C10_CUDA_CHECK((launch_expand_tall<T, V>(vp, bp, op, p, cfg)));
           return;
         case ExpandKernel::stream:
-          C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg, stream_switch("LK_STREAM_LATE"),
-                                                     stream_switch("LK_STREAM_B3"))));
+          C10_CUDA_CHECK((launch_expand_stream<T, V>(vp, bp, op, p, cfg)));
           return;
         case ExpandKernel::mma:
           C10_CUDA_CHECK((launch_expand_mma<T, V>(vp, bp, op, p, cfg, plan.one_row)));
