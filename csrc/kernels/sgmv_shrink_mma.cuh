@@ -261,6 +261,7 @@ cudaError_t launch_shrink_mma(const T* x, const T* a, V* v, float* ws, const Shr
                 : launch_shrink_shape<T, V, 4, 8, 2, false>(x, a, v, ws, p, cfg);
   if (tiles != 1 || fold) return cudaErrorInvalidConfiguration;
   if (warps == 1 && stages == 8) return launch_shrink_shape<T, V, 1, 8>(x, a, v, ws, p, cfg);
+  if (warps == 1 && stages == 5) return launch_shrink_shape<T, V, 1, 5>(x, a, v, ws, p, cfg);  // LK_SHRINK_FIT
   if (warps == 2 && stages == kShrinkStages) return launch_shrink_shape<T, V, 2, kShrinkStages>(x, a, v, ws, p, cfg);
   if (warps == 4 && stages == kShrinkStages) return launch_shrink_shape<T, V, 4, kShrinkStages>(x, a, v, ws, p, cfg);
   return cudaErrorInvalidConfiguration;

@@ -53,6 +53,27 @@ bool fused_enabled(bool requested) {
   return requested;
 }
 
+// A/B switches for the next device run (read at each call; to be kept as the plan or removed): LK_SHRINK_FIT=1 gives
+// the one-warp decode shrink 5 pipeline stages instead of 8 where its split is at most 4 slabs (K / splits <= 256:
+// every slab still in flight at once, 20 KB of shared memory a CTA instead of 32, so more of the expand's CTAs fit
+// beside the shrink's while it runs); LK_STREAM_CTAS=N (1-5) runs the streaming expand's persistent grid with N CTAs
+// an SM instead of 5 (room for the next shrink's CTAs). Neither changes a bit: the stages and the grid change which
+// thread computes what, never the sums.
+int env_int(const char* name) {
+  const char* env = std::getenv(name);
+  return env ? std::atoi(env) : 0;
+}
+ShrinkPlan fit_shrink(ShrinkPlan sp) {
+  if (env_int("LK_SHRINK_FIT") == 1 && sp.mma && !sp.wgmma && sp.warps == 1 && sp.stages == 8 && sp.tiles == 1 &&
+      cdiv(int64_t{sp.k_chunk}, int64_t{kMmaBK}) <= 4)
+    sp.stages = 5;
+  return sp;
+}
+int stream_ctas(const ExpandPlan& plan) {
+  const int n = env_int("LK_STREAM_CTAS");
+  return plan.kernel == ExpandKernel::stream && n >= 1 && n <= plan.ctas_per_sm ? n : plan.ctas_per_sm;
+}
+
 LaunchCfg make_cfg(int64_t items_upper, int ctas_per_sm, bool pdl = true) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return LaunchCfg{at::cuda::getCurrentCUDAStream(), persistent_grid(items_upper, ctas_per_sm, sms),
@@ -165,7 +186,7 @@ ExpandPlan expand_plan_for(const at::Tensor& lora_b, at::IntArrayRef offs, const
 
 void expand_launch(const void* v, at::ScalarType v_dtype, const at::Tensor& lora_b, at::Tensor& out,
                    const ExpandArgs& p, const ExpandPlan& plan, int64_t max_tiles) {
-  run_expand(v, v_dtype, lora_b, out, p, plan, make_cfg(expand_items_upper(plan, max_tiles), plan.ctas_per_sm));
+  run_expand(v, v_dtype, lora_b, out, p, plan, make_cfg(expand_items_upper(plan, max_tiles), stream_ctas(plan)));
 }
 
 // The one-launch path where its limits hold and the device runs it (sgmv_plan.h: fused_fits); false otherwise.
@@ -207,8 +228,9 @@ void sgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
               lora_a.size(1), "], got ", v.sizes());
   if (max_tiles == 0 || v.numel() == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
-  const ShrinkPlan plan = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
-                                      aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0), max_tiles);
+  const ShrinkPlan plan = fit_shrink(plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
+                                                 aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0),
+                                                 max_tiles));
   const ShrinkArgs p =
       make_shrink_args(make_work(work, lora_ranks, permutation, max_tiles, x.size(0)), x, lora_a, num_slices, plan);
   const LaunchCfg cfg = make_cfg(shrink_items_upper(plan, max_tiles), plan.ctas_per_sm);
@@ -258,8 +280,9 @@ void apply_into(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   check_apply_args(x, lora_a, lora_b, work, lora_ranks, scalings, permutation, slice_offsets, max_tiles, out);
   if (max_tiles == 0 || out.numel() == 0 || lora_b.size(2) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
-  const ShrinkPlan sp = plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
-                                    aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0), max_tiles);
+  const ShrinkPlan sp = fit_shrink(plan_shrink(static_cast<int>(x.element_size()), x.size(1), lora_a.size(1),
+                                               aligned16(x.data_ptr()) && aligned16(lora_a.data_ptr()), x.size(0),
+                                               max_tiles));
   const WorkArgs w = make_work(work, lora_ranks, permutation, max_tiles, x.size(0));
   const ShrinkArgs p = make_shrink_args(w, x, lora_a, num_slices, sp);
   if (x.size(0) <= fused_max_rows && fused_enabled(one_launch) &&
