@@ -53,7 +53,10 @@ struct StreamItem {
 
 // One warp's shared memory: per stage the item, its rows, its B block and its out rows; v of the current tile.
 // Stages: three at KS = 1 (4 CTAs an SM) measured slower than two (H100, layer µs, bench A/B in two orders: r16 16x1
-// uniform sorted 33.2 -> 36.0, 256x1 unsorted 226 -> 246; only 64x1 identical sorted gained, 36.5 -> 34.4).
+// uniform sorted 33.2 -> 36.0, 256x1 unsorted 226 -> 246; only 64x1 identical sorted gained, 36.5 -> 34.4). Three B
+// stages with two out stages (5 CTAs an SM; a warp's third B block before griddep_wait) also slower: 16x1 sorted 33.2
+// -> 35.0, 64x1 unsorted 68.3 -> 77.0, 256x1 unsorted 231 -> 276. So was issuing the B copies on the tile's slot alone
+// (two dependent loads before them instead of four; 64x1 unsorted 68.3 -> 69.6, 16x1 sorted 33.2 -> 33.7).
 template <typename T, int KS>
 struct alignas(16) StreamWarpSmem {
   T b[kStreamStages][kStreamCols * 16 * KS];
