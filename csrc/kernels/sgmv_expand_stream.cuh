@@ -116,13 +116,13 @@ __device__ __forceinline__ int stream_b_chunk(int lane, int i) {  // shared offs
   constexpr int kRowsPerPass = 32 / (2 * KS);                     // rows of the block a pass of the warp covers
   return stream_kc<KS>(lane / (2 * KS) + kRowsPerPass * i, lane % (2 * KS));
 }
-// Stage s <- the whole block of columns [n0, n0 + 64) of slot's B (R = 16 KS, the columns in the slice): one base a
-// lane, chunk i at a fixed offset.
+// Stage s <- the item's whole B block (R = 16 KS, rank R, its 64 columns in the slice): one base a lane, chunk i at a
+// fixed offset.
 template <typename T, int KS>
 __device__ __forceinline__ void stream_copy_b_whole(StreamWarpSmem<T, KS>& ws, int s, const T* b, const ExpandArgs& p,
-                                                    int slot, int n0, int lane) {
+                                                    const StreamItem& it, int lane) {
   const uint32_t sb = smem_addr(ws.b[s]);
-  const T* src = b + (static_cast<int64_t>(slot) * p.out_total + n0) * p.R + 8 * lane;
+  const T* src = b + (static_cast<int64_t>(it.slot) * p.out_total + it.n0) * p.R + 8 * lane;
 #pragma unroll
   for (int i = 0; i < kStreamCols * 2 * KS / 32; ++i)
     cp_async16_s(sb + 2 * stream_b_chunk<KS>(lane, i), src + 256 * i, 16);
@@ -147,7 +147,7 @@ __device__ __forceinline__ void stream_issue_b(StreamWarpSmem<T, KS>& ws, int s,
   if (lane < kTileM) ws.rows[s][lane] = row;
   if (it.slot < 0) return;
   if (p.R == 16 * KS && it.rank == p.R && it.n0 + kStreamCols <= it.n_end)
-    stream_copy_b_whole<T, KS>(ws, s, b, p, it.slot, it.n0, lane);
+    stream_copy_b_whole<T, KS>(ws, s, b, p, it, lane);
   else
     stream_copy_b_part<T, KS>(ws, s, b, p, it, lane);
 }
